@@ -1,0 +1,23 @@
+"""hicache_mp: a GIL-free, multiprocess prefetch engine for hierarchical KV caches.
+
+Owns the scheduler-facing API (DESIGN.md §4). Must not do page I/O itself:
+worker processes (package `workers`) move the bytes.
+"""
+from shm import PageGeometry
+
+from .config import EngineConfig
+from .engine import PrefetchEngine
+from .ops import Op
+
+__all__ = ["PrefetchEngine", "EngineConfig", "PageGeometry", "Op", "make_engine"]
+__version__ = "0.1.0"
+
+
+def make_engine(backend: str, config: EngineConfig, geometry: PageGeometry):
+    """`mp` (this engine) or `file` (the in-process threaded baseline)."""
+    if backend == "mp":
+        return PrefetchEngine(config, geometry)
+    if backend == "file":
+        from .baseline import ThreadedFileEngine
+        return ThreadedFileEngine(config, geometry)
+    raise ValueError(f"unknown storage backend {backend!r}; choose 'mp' or 'file'")

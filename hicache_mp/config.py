@@ -1,0 +1,66 @@
+"""EngineConfig: every knob of an engine, with defaults a server can start with.
+
+Owns defaults and their checks. Must not start anything.
+"""
+from dataclasses import dataclass, field, asdict
+
+POLICIES = ("best_effort", "wait_complete", "timeout")
+FSYNC_MODES = ("none", "data", "always")
+BACKENDS = ("mp", "file")
+
+
+def auto_workers() -> int:
+    """Physical cores minus one for the scheduler, at least one."""
+    import psutil
+    cores = psutil.cpu_count(logical=False) or psutil.cpu_count() or 2
+    return max(1, cores - 1)
+
+
+@dataclass
+class EngineConfig:
+    storage_dir: str
+    num_workers: int = 0                 # 0: auto (physical cores - 1)
+    host_pool_pages: int = 1024
+    prefetch_policy: str = "best_effort"
+    prefetch_timeout_s: float = 10.0     # for the "timeout" policy
+    model_name: str = "default"
+    tp_rank: int = 0
+    tp_size: int = 1
+    namespace_extra: str = ""            # e.g. SGLang's PP/CP suffixes
+    ring_capacity: int = 0               # 0: auto from pool pages per worker
+    worker_batch: int = 16               # records a worker takes per wake-up (cf. prefetch_factor)
+    pin_workers: bool = False
+    populate: bool = True                # MAP_POPULATE the pool in workers
+    write_checksum: bool = False         # store a payload crc32 on backup
+    verify_checksum: bool = True         # check it on read when present
+    fsync: str = "none"                  # none | data | always
+    rescan_interval_s: float = 0.0       # >0: rescan the store for other engines' pages
+    worker_start_timeout_s: float = 60.0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.storage_dir:
+            raise ValueError("EngineConfig.storage_dir is required")
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0 (0 = auto), got {self.num_workers}")
+        if not isinstance(self.host_pool_pages, int) or self.host_pool_pages <= 0:
+            raise ValueError(f"host_pool_pages must be a positive int, got {self.host_pool_pages!r}")
+        if self.prefetch_policy not in POLICIES:
+            raise ValueError(f"prefetch_policy must be one of {POLICIES}, got {self.prefetch_policy!r}")
+        if self.fsync not in FSYNC_MODES:
+            raise ValueError(f"fsync must be one of {FSYNC_MODES}, got {self.fsync!r}")
+        if self.worker_batch <= 0:
+            raise ValueError("worker_batch must be positive")
+
+    def resolved_workers(self) -> int:
+        return self.num_workers or auto_workers()
+
+    def resolved_ring_capacity(self, workers: int) -> int:
+        """Enough slots that a full pool striped over the workers always fits."""
+        if self.ring_capacity:
+            return self.ring_capacity
+        want = 2 * (self.host_pool_pages // workers + 1) + 64
+        return min(1 << 16, 1 << (want - 1).bit_length())
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,263 @@
+"""EngineCore: the scheduler-side half shared by the `mp` engine and the `file` baseline.
+
+Owns input checks, the key namespace, the exists index, the table of ops in
+flight, host-slot reservations, completion bookkeeping, blocking waits and
+metrics. Must not move page bytes: subclasses hand records to their I/O (worker
+processes for `mp`, a Python thread for `file`) and feed completions back
+through `_apply`.
+
+Host slots named in an op are reserved from submit until the op is `done`
+(every page accounted for), because an I/O may still be writing into them;
+a second op naming a reserved slot is refused with ValueError.
+"""
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+
+from shm import PageGeometry
+from workers import naming
+from workers import status as st
+
+from .config import EngineConfig
+from .index import StoreIndex
+from .ops import READ, WRITE, Op
+
+log = logging.getLogger("hicache_mp")
+
+
+class EngineClosed(RuntimeError):
+    """The engine was closed; it accepts no more work."""
+
+
+class EngineCore:
+    backend = "?"
+
+    def __init__(self, config: EngineConfig, geometry: PageGeometry):
+        if not isinstance(geometry, PageGeometry):
+            raise ValueError(f"geometry must be a PageGeometry, got {type(geometry).__name__}")
+        self.config = config
+        self.geometry = geometry
+        self.namespace = naming.namespace(config.model_name, geometry.fingerprint(),
+                                          tp_rank=config.tp_rank, tp_size=config.tp_size,
+                                          extra=config.namespace_extra)
+        os.makedirs(config.storage_dir, mode=0o700, exist_ok=True)
+        self.index = StoreIndex(config.storage_dir)
+        self.index.scan()
+        self._lock = threading.RLock()
+        self._ops: dict[int, Op] = {}
+        self._next_id = 1
+        self._reserved = np.zeros(config.host_pool_pages, dtype=bool)
+        self._closed = False
+        self._logged_causes: set = set()
+        self._start_ns = time.perf_counter_ns()
+        self._last_rescan = time.monotonic()
+        self._counts = {READ: np.zeros(len(st.NAMES), dtype=np.int64),
+                        WRITE: np.zeros(len(st.NAMES), dtype=np.int64)}
+        self._busy_ns = {READ: 0, WRITE: 0}
+        self._busy_since = {READ: 0, WRITE: 0}
+        self._in_flight = {READ: 0, WRITE: 0}
+        self._poll_calls = 0
+
+    # --- public API -----------------------------------------------------------
+    def exists(self, keys) -> int:
+        """How many leading keys have a page in the store (no syscalls)."""
+        ns = self.namespace
+        n = 0
+        for key in keys:
+            if naming.key_digest(key, ns) not in self.index.digests:
+                break
+            n += 1
+        return n
+
+    def prefetch(self, keys, host_pages, *, policy: str | None = None,
+                 timeout_s: float | None = None) -> Op:
+        """Start reading pages for `keys` into `host_pages`; returns at once."""
+        return self._start(READ, keys, host_pages, policy, timeout_s)
+
+    def backup(self, keys, host_pages) -> Op:
+        """Start writing `host_pages` to the store under `keys` (write-through)."""
+        return self._start(WRITE, keys, host_pages, "wait_complete", None)
+
+    def cancel(self, op: Op) -> None:
+        """Stop an op: pages not yet started are skipped; `completed_pages` freezes.
+
+        The op is `done` (its slots free) once in-flight pages come back.
+        """
+        with self._lock:
+            if op.done:
+                return
+            op._cancel()
+            self._cancel_io(op)
+
+    def poll(self) -> int:
+        """Apply finished pages to their ops. Cheap and non-blocking: call every loop."""
+        with self._lock:
+            self._poll_calls += 1
+            n = self._drain()
+            if self.config.rescan_interval_s and \
+                    time.monotonic() - self._last_rescan > self.config.rescan_interval_s:
+                self._start_rescan()
+            return n
+
+    def wait(self, op: Op, timeout_s: float | None = None) -> bool:
+        """Block (GIL released) until `op` is done or the timeout passes."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self.poll()
+            if op.done:
+                return True
+            left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+            if left <= 0:
+                return False
+            self._sleep_for_completion(left)
+
+    def refresh(self) -> int:
+        """Rescan the store (picks up pages other engines wrote). Returns the count."""
+        found = StoreIndex(self.config.storage_dir)
+        found.scan()
+        with self._lock:
+            self.index.digests |= found.digests
+            return len(self.index)
+
+    def metrics(self) -> dict:
+        with self._lock:
+            now = time.perf_counter_ns()
+            out = {"backend": self.backend, "workers": self._num_workers(),
+                   "index_pages": len(self.index), "ops_in_flight": len(self._ops),
+                   "pages_in_flight": int(self._reserved.sum()),
+                   "page_bytes": self.geometry.page_bytes, "poll_calls": self._poll_calls}
+            for kind in (READ, WRITE):
+                counts = self._counts[kind]
+                busy = self._busy_ns[kind] + (now - self._busy_since[kind] if self._in_flight[kind] else 0)
+                nbytes = int(counts[st.OK]) * self.geometry.page_bytes
+                out[f"{kind}_pages_ok"] = int(counts[st.OK])
+                out[f"{kind}_bytes"] = nbytes
+                out[f"{kind}_busy_s"] = busy / 1e9
+                out[f"{kind}_gbps"] = nbytes / busy if busy else 0.0
+                out[f"{kind}_status"] = {st.NAMES[i]: int(c) for i, c in enumerate(counts) if c}
+            out["misses"] = int(sum(self._counts[READ][c] for c in st.READ_MISSES))
+            out.update(self._io_metrics(now))
+            return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._shutdown_io()
+            finally:
+                now = time.perf_counter_ns()
+                for op in list(self._ops.values()):
+                    op._cancel()
+                    for pos in np.flatnonzero(op.page_status == st.PENDING):
+                        self._apply(op, int(pos), st.CANCELLED, 0, 0, now)
+                self._release_shm()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # --- shared bookkeeping -------------------------------------------------
+    def _start(self, kind, keys, host_pages, policy, timeout_s) -> Op:
+        if self._closed:
+            raise EngineClosed("engine is closed")
+        keys = list(keys)
+        pages = self._check_pages(host_pages, len(keys))
+        ns = self.namespace
+        digests = [naming.key_digest(k, ns) for k in keys]  # raises ValueError on a bad key
+        with self._lock:
+            if self._closed:
+                raise EngineClosed("engine is closed")
+            if len(pages) and self._reserved[pages].any():
+                busy = pages[self._reserved[pages]][:8].tolist()
+                raise ValueError(f"host pages {busy} belong to an op still in flight")
+            op = Op(self._next_id, kind, keys, pages, digests, self.geometry.page_bytes,
+                    policy or self.config.prefetch_policy,
+                    self.config.prefetch_timeout_s if timeout_s is None else timeout_s)
+            self._next_id += 1
+            if op.num_pages == 0:
+                return op
+            self._reserved[pages] = True
+            self._ops[op.id] = op
+            if self._in_flight[kind] == 0:
+                self._busy_since[kind] = op.submit_ns
+            self._in_flight[kind] += 1
+            self._submit(op)
+            return op
+
+    def _check_pages(self, host_pages, nkeys: int) -> np.ndarray:
+        try:
+            pages = np.asarray(host_pages)
+        except Exception as exc:
+            raise ValueError(f"host_pages must be a sequence of ints: {exc}") from None
+        if pages.ndim != 1 or (pages.size and pages.dtype.kind not in "iu"):
+            raise ValueError(f"host_pages must be a 1-D sequence of ints, got dtype {pages.dtype} "
+                             f"shape {pages.shape}")
+        pages = pages.astype(np.int64, copy=False)
+        if len(pages) != nkeys:
+            raise ValueError(f"{nkeys} keys but {len(pages)} host pages")
+        limit = self.config.host_pool_pages
+        if len(pages) > limit:
+            raise ValueError(f"op of {len(pages)} pages exceeds the host pool ({limit} pages)")
+        if len(pages):
+            lo, hi = int(pages.min()), int(pages.max())
+            if lo < 0 or hi >= limit:
+                raise ValueError(f"host page {lo if lo < 0 else hi} out of range [0, {limit})")
+            if len(np.unique(pages)) != len(pages):
+                raise ValueError("host pages repeat within one op")
+        return pages
+
+    def _apply(self, op: Op, pos: int, code: int, io_ns: int, err: int, now_ns: int) -> None:
+        """Feed one page's outcome to its op; retire the op when it is done."""
+        if op.page_status[pos] != st.PENDING:
+            return
+        self._reserved[op.host_pages[pos]] = False
+        self._counts[op.kind][code] += 1
+        if code == st.OK:
+            if op.kind == WRITE:
+                self.index.add(op.digests[pos])
+        else:
+            if op.kind == READ and code in st.READ_MISSES:
+                self.index.discard(op.digests[pos])  # the index was stale: heal it
+            self._log_cause(op.kind, code, err)
+        if op._complete(pos, code, io_ns, now_ns):
+            self._ops.pop(op.id, None)
+            self._in_flight[op.kind] -= 1
+            if self._in_flight[op.kind] == 0:
+                self._busy_ns[op.kind] += now_ns - self._busy_since[op.kind]
+
+    def _log_cause(self, kind: str, code: int, err: int) -> None:
+        """One log line per distinct cause, not one per page."""
+        if code in (st.MISS, st.CANCELLED):
+            return
+        cause = (kind, code, err)
+        if cause in self._logged_causes:
+            return
+        self._logged_causes.add(cause)
+        detail = f" ({os.strerror(err)})" if err else ""
+        log.warning("hicache_mp %s: %s%s; later pages with this cause are counted in "
+                    "metrics(), not logged", kind, st.NAMES[code], detail)
+
+    def _start_rescan(self) -> None:
+        self._last_rescan = time.monotonic()
+        threading.Thread(target=self.refresh, name="hicache_mp-rescan", daemon=True).start()
+
+    # --- subclass hooks -------------------------------------------------------
+    def _submit(self, op: Op) -> None: raise NotImplementedError
+    def _drain(self) -> int: raise NotImplementedError
+    def _cancel_io(self, op: Op) -> None: raise NotImplementedError
+    def _sleep_for_completion(self, timeout_s: float) -> None: raise NotImplementedError
+    def _shutdown_io(self) -> None: raise NotImplementedError
+    def _release_shm(self) -> None: raise NotImplementedError
+    def _num_workers(self) -> int: raise NotImplementedError
+    def _io_metrics(self, now_ns: int) -> dict: return {}

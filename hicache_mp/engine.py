@@ -1,0 +1,211 @@
+"""PrefetchEngine: the `mp` backend. The scheduler's side of the worker pool.
+
+    caller (scheduler loop)           PrefetchEngine                      WorkerPool
+    -----------------------           --------------                      ----------
+    prefetch(keys, slots) ──► check input, reserve slots, build one
+                              64-byte record per page (numpy, one array
+                              per op), stripe over workers ──────────────► submit_ring[i]
+                              post wake[i] once per batch                   (worker i reads the
+    poll() every loop     ──► pop completion rings (counters + small        file straight into
+                              records), advance ops, free slots ◄────────── the pool slot)
+    op.completed_pages        leading pages landed, in order
+    backup(keys, slots)   ──► same road; workers write temp + rename
+    close()               ──► pool shutdown protocol, unlink every segment
+
+The scheduler never blocks and never touches page bytes here. Every segment
+and semaphore is named ``hicache_mp.<pid>.<random>.*`` and unlinked by
+`close()`, by the finaliser on garbage collection or interpreter exit, by
+orphaned workers when this process dies, and by `clean_stale()` at the next
+start otherwise.
+
+Failure states:
+  - a worker dies: its unfinished pages end WORKER_DIED (ops end partial or
+    failed), it is replaced, the next prefetch works;
+  - it cannot be replaced: the engine is broken (`BrokenPool`), and says so on
+    every later call.
+"""
+import time
+import weakref
+
+import numpy as np
+
+from shm import PageGeometry, WakeSemaphore, clean_stale, new_owner_tag
+from shm.hostpool import HostPool
+from shm.ring import KIND_READ, KIND_WRITE, RECORD_DTYPE
+from workers import status as st
+from workers.control import BUSY_NS, BYTES, PAGES, WAITERS, Control
+from workers.pool import BrokenPool, WorkerPool
+
+from .config import EngineConfig
+from .core import EngineCore
+from .ops import READ, Op
+
+HEALTH_CHECK_S = 0.1
+
+
+class PrefetchEngine(EngineCore):
+    backend = "mp"
+
+    def __init__(self, config: EngineConfig, geometry: PageGeometry):
+        super().__init__(config, geometry)
+        self.stale_removed = clean_stale()
+        self.tag = new_owner_tag()
+        self._segments = []
+        self.pool = None
+        self.broken: BaseException | None = None
+        try:
+            self.host_pool = HostPool(geometry, config.host_pool_pages, name=self.tag + ".pool",
+                                      create=True, populate=config.populate)
+            self._segments.append(self.host_pool)
+            self.control = Control(self.tag + ".ctl", create=True)
+            self._segments.append(self.control)
+            self.done_sem = WakeSemaphore(self.tag + ".done", create=True)
+            self._segments.append(self.done_sem)
+            workers = config.resolved_workers()
+            worker_config = {
+                "pool_name": self.host_pool.name, "pool_pages": config.host_pool_pages,
+                "geometry": geometry.to_dict(), "populate": config.populate,
+                "storage_dir": config.storage_dir, "verify_checksum": config.verify_checksum,
+                "write_checksum": config.write_checksum, "fsync": config.fsync,
+                "batch": config.worker_batch,
+            }
+            pin = None
+            if config.pin_workers:
+                import psutil
+                cpus = sorted(psutil.Process().cpu_affinity())
+                pin = cpus[1:] or cpus  # leave the first CPU to the scheduler
+            self.pool = WorkerPool(num_workers=workers, tag=self.tag, control=self.control,
+                                   done_sem=self.done_sem.name, worker_config=worker_config,
+                                   ring_capacity=config.resolved_ring_capacity(workers),
+                                   pin_cpus=pin, start_timeout_s=config.worker_start_timeout_s)
+        except BaseException:
+            self._release_shm()
+            raise
+        self._rr = 0
+        self._last_health = time.monotonic()
+        # Segments go even if the caller forgets close() or an exception unwinds.
+        self._finalizer = weakref.finalize(self, _cleanup, self.pool, list(self._segments))
+
+    # --- hooks ----------------------------------------------------------------
+    def _submit(self, op: Op) -> None:
+        if self.broken:
+            raise BrokenPool(f"engine is broken: {self.broken}")
+        n = op.num_pages
+        recs = np.zeros(n, dtype=RECORD_DTYPE)
+        recs["op_id"] = op.id
+        recs["host_page"] = op.host_pages
+        recs["page_pos"] = np.arange(n, dtype=np.uint32)
+        recs["kind"] = KIND_READ if op.kind == READ else KIND_WRITE
+        recs["digest"] = np.frombuffer(b"".join(op.digests), dtype=np.uint8).reshape(n, 32)
+        workers = self.pool.workers
+        nw = len(workers)
+        # Stripe pages over workers, page j to worker (start + j) % nw, so every
+        # worker walks its share in op order and the leading pages land first.
+        start = self._rr
+        self._rr = (start + n) % nw
+        op.worker_of = ((np.arange(n) + start) % nw).astype(np.uint16)
+        rejected = []
+        for offset in range(min(n, nw)):
+            handle = workers[(start + offset) % nw]
+            share = recs[offset::nw]
+            pushed = handle.submit.push(share)
+            if pushed:
+                handle.wake.post()
+            if pushed < len(share):
+                rejected.extend(share["page_pos"][pushed:].tolist())
+        if rejected:
+            now = time.perf_counter_ns()
+            for pos in rejected:  # backpressure: say so per page, never queue unbounded
+                self._apply(op, pos, st.BUSY, 0, 0, now)
+
+    def _drain(self) -> int:
+        if self.pool is None or self.pool.closed:
+            return 0
+        n = 0
+        for handle in self.pool.workers:
+            n += self._drain_ring(handle.completion)
+        if time.monotonic() - self._last_health > HEALTH_CHECK_S:
+            self._last_health = time.monotonic()
+            self._replace_dead()
+        return n
+
+    def _drain_ring(self, ring) -> int:
+        recs = ring.pop()
+        if not len(recs):
+            return 0
+        now = time.perf_counter_ns()
+        ops = self._ops
+        for op_id, pos, code, io_ns, err in zip(recs["op_id"].tolist(), recs["page_pos"].tolist(),
+                                                recs["status"].tolist(), recs["io_ns"].tolist(),
+                                                recs["flags"].tolist()):
+            op = ops.get(op_id)
+            if op is not None:
+                self._apply(op, pos, code, io_ns, err, now)
+        return len(recs)
+
+    def _replace_dead(self) -> None:
+        for handle in self.pool.dead():
+            self._drain_ring(handle.completion)  # what it finished before dying still counts
+            now = time.perf_counter_ns()
+            for op in list(self._ops.values()):
+                lost = np.flatnonzero((op.worker_of == handle.index) & (op.page_status == st.PENDING))
+                for pos in lost.tolist():
+                    self._apply(op, pos, st.WORKER_DIED, 0, 0, now)
+            self._log_cause("worker", st.WORKER_DIED, 0)
+            try:
+                self.pool.respawn(handle)
+            except BrokenPool as exc:
+                self.broken = exc
+                raise
+
+    def _cancel_io(self, op: Op) -> None:
+        self.control.cancel(op.id)
+
+    def _sleep_for_completion(self, timeout_s: float) -> None:
+        self.control.words[WAITERS] += 1
+        try:
+            # Re-check after announcing ourselves: a completion pushed before the
+            # announcement posted nothing. The short cap covers the remaining race.
+            if self._drain():
+                return
+            self.done_sem.wait(min(timeout_s, 0.005))
+        finally:
+            self.control.words[WAITERS] -= 1
+
+    def _shutdown_io(self) -> None:
+        if self.pool is not None:
+            self.pool.stop()
+            for handle in self.pool.workers:  # pages finished before the stop still count
+                self._drain_ring(handle.completion)
+            self.pool.close()
+
+    def _release_shm(self) -> None:
+        if getattr(self, "_finalizer", None) is not None:
+            self._finalizer.detach()
+        _cleanup(None, self._segments)
+        self._segments = []
+
+    def _num_workers(self) -> int:
+        return len(self.pool) if self.pool else 0
+
+    def _io_metrics(self, now_ns: int) -> dict:
+        wall = (now_ns - self._start_ns) / 1e9
+        stats = self.control.workers[:len(self.pool)] if self.pool and not self._closed else []
+        return {
+            "worker_busy": [round(int(s[BUSY_NS]) / 1e9 / wall, 4) if wall else 0.0 for s in stats],
+            "worker_pages": [int(s[PAGES]) for s in stats],
+            "worker_bytes": [int(s[BYTES]) for s in stats],
+            "ring_depth": [h.submit.depth() for h in self.pool.workers] if self.pool else [],
+            "respawns": self.pool.respawns if self.pool else 0,
+            "stale_segments_removed": len(self.stale_removed),
+        }
+
+
+def _cleanup(pool, segments) -> None:
+    if pool is not None:
+        pool.close()
+    for seg in reversed(segments):
+        try:
+            seg.close()
+        except Exception:
+            pass

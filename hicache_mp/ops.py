@@ -1,0 +1,118 @@
+"""Op handles: what a caller holds for one prefetch or backup.
+
+Owns per-op progress: page statuses, the leading run of landed pages, the
+final status and the policy question "may the scheduler go on now?". Must not
+talk to workers; the engine feeds completions in.
+"""
+import time
+
+import numpy as np
+
+from workers import status as st
+
+READ, WRITE = "read", "write"
+
+
+class Op:
+    __slots__ = ("id", "kind", "keys", "host_pages", "digests", "num_pages", "page_status",
+                 "worker_of", "policy", "deadline", "_lead", "_remaining", "_cancelled",
+                 "_frozen_lead", "submit_ns", "done_ns", "first_ns", "io_ns", "ok_pages",
+                 "page_bytes", "landed_ns", "device_event")
+
+    def __init__(self, op_id: int, kind: str, keys, host_pages: np.ndarray, digests: list,
+                 page_bytes: int, policy: str, timeout_s: float):
+        self.id = op_id
+        self.kind = kind
+        self.keys = keys
+        self.host_pages = host_pages
+        self.digests = digests
+        self.num_pages = len(host_pages)
+        self.page_status = np.zeros(self.num_pages, dtype=np.uint8)
+        self.worker_of = None
+        self.policy = policy
+        self.submit_ns = time.perf_counter_ns()
+        self.deadline = self.submit_ns + int(timeout_s * 1e9)
+        self._lead = 0
+        self._remaining = self.num_pages
+        self._cancelled = False
+        self._frozen_lead = 0
+        self.done_ns = self.submit_ns if self.num_pages == 0 else 0
+        self.first_ns = 0
+        self.io_ns = 0
+        self.ok_pages = 0
+        self.page_bytes = page_bytes
+        self.landed_ns = np.zeros(self.num_pages, dtype=np.int64)  # for profiling
+        self.device_event = None
+
+    # --- fed by the engine --------------------------------------------------
+    def _complete(self, pos: int, code: int, io_ns: int, now_ns: int) -> bool:
+        """Record one page's outcome; True if this finished the op."""
+        if self.page_status[pos] != st.PENDING:
+            return False  # a page already failed by a worker death; ignore a late echo
+        self.page_status[pos] = code
+        self.landed_ns[pos] = now_ns
+        self.io_ns += io_ns
+        if not self.first_ns:
+            self.first_ns = now_ns
+        if code == st.OK:
+            self.ok_pages += 1
+            ps = self.page_status
+            while self._lead < self.num_pages and ps[self._lead] == st.OK:
+                self._lead += 1
+        self._remaining -= 1
+        if self._remaining == 0:
+            self.done_ns = now_ns
+            return True
+        return False
+
+    def _cancel(self) -> None:
+        if not self._cancelled and not self.done:
+            self._cancelled = True
+            self._frozen_lead = self._lead
+
+    # --- what callers read --------------------------------------------------
+    @property
+    def completed_pages(self) -> int:
+        """Leading pages that landed, in order. Frozen at cancel time."""
+        return self._frozen_lead if self._cancelled else self._lead
+
+    @property
+    def done(self) -> bool:
+        """Every page is accounted for: the host slots may be reused."""
+        return self._remaining == 0
+
+    @property
+    def status(self) -> str:
+        if not self.done:
+            return "cancelling" if self._cancelled else "running"
+        if self._cancelled:
+            return "cancelled"
+        if self._lead == self.num_pages:
+            return "ok"
+        return "partial" if self.completed_pages > 0 else "failed"
+
+    def ready(self, now_ns: int | None = None) -> bool:
+        """May the scheduler stop waiting for this op, under its policy?"""
+        if self.done or self.policy == "best_effort":
+            return True
+        if self.policy == "timeout":
+            return (now_ns or time.perf_counter_ns()) >= self.deadline
+        return False
+
+    def status_counts(self) -> dict:
+        codes, counts = np.unique(self.page_status, return_counts=True)
+        return {st.NAMES[int(c)]: int(n) for c, n in zip(codes, counts)}
+
+    @property
+    def seconds(self) -> float:
+        end = self.done_ns or time.perf_counter_ns()
+        return (end - self.submit_ns) / 1e9
+
+    @property
+    def gbps(self) -> float:
+        s = self.seconds
+        return self.ok_pages * self.page_bytes / s / 1e9 if s > 0 else 0.0
+
+    def __repr__(self) -> str:
+        return (f"Op(id={self.id}, {self.kind}, pages={self.num_pages}, "
+                f"completed={self.completed_pages}, status={self.status})")

@@ -1,0 +1,1 @@
+"""Reference engine: a scheduler modelled on SGLang's, its workload and its summary."""

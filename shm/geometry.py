@@ -1,0 +1,123 @@
+"""Page geometry: the one place for KV-page byte math.
+
+Owns sizes, the two host layouts, the canonical on-disk order and the
+fingerprint that ties a file to a geometry. Pure integer math, torch-free:
+workers use it to build iovecs; `HostPool` uses it to shape torch views.
+Must not allocate or map memory.
+
+Logical page order (also the canonical file order): ``[kv][layer][token][head][dim]``
+with kv in {K, V} (one latent buffer for MLA).
+
+- ``page_first``: the pool is ``[page][kv][layer][token][head][dim]``; a page is
+  one contiguous run.
+- ``layer_first``: the pool is ``[kv][layer][page*token][head][dim]``; a page is
+  ``kv*layers`` runs of ``page_size*heads*dim`` elements, one per (kv, layer).
+"""
+from dataclasses import dataclass, field
+import hashlib
+
+LAYOUTS = ("page_first", "layer_first")
+
+# Byte sizes by dtype name, so workers never need torch to do the math.
+DTYPE_SIZES = {
+    "bfloat16": 2, "float16": 2, "float32": 4, "float64": 8,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1, "int8": 1,
+}
+
+
+def dtype_name(dtype) -> str:
+    """Accept a torch dtype or its name ('bfloat16', 'torch.bfloat16')."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_SIZES:
+        raise ValueError(f"unsupported dtype {dtype!r}; known: {sorted(DTYPE_SIZES)}")
+    return name
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str = "bfloat16"
+    layout: str = "page_first"
+    mla: bool = False  # MLA: one latent buffer per layer instead of K and V
+    kv_count: int = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"PageGeometry.{name} must be a positive int, got {value!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        object.__setattr__(self, "kv_count", 1 if self.mla else 2)
+
+    # --- sizes -------------------------------------------------------------
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def run_bytes(self) -> int:
+        """Bytes of one (kv, layer) slice of a page."""
+        return self.page_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        return self.kv_count * self.num_layers * self.run_bytes
+
+    @property
+    def token_bytes(self) -> int:
+        return self.page_bytes // self.page_size
+
+    @property
+    def page_shape(self) -> tuple:
+        """Logical shape of one page: [kv, layer, token, head, dim]."""
+        return (self.kv_count, self.num_layers, self.page_size, self.num_kv_heads, self.head_dim)
+
+    def pool_shape(self, num_pages: int) -> tuple:
+        kv, layers, tokens, heads, dim = self.page_shape
+        if self.layout == "page_first":
+            return (num_pages, kv, layers, tokens, heads, dim)
+        return (kv, layers, num_pages * tokens, heads, dim)
+
+    def pool_bytes(self, num_pages: int) -> int:
+        return num_pages * self.page_bytes
+
+    # --- where a page's bytes live in the pool -----------------------------
+    def page_runs(self, page: int, num_pages: int) -> list[tuple[int, int]]:
+        """(offset, length) runs of pool bytes for `page`, in canonical order.
+
+        A worker turns these into one `preadv`/`pwritev`; canonical order is
+        what makes files portable across layouts.
+        """
+        if self.layout == "page_first":
+            return [(page * self.page_bytes, self.page_bytes)]
+        run = self.run_bytes
+        stride = num_pages * run  # bytes of one (kv, layer) plane
+        return [(plane * stride + page * run, run) for plane in range(self.kv_count * self.num_layers)]
+
+    # --- identity ----------------------------------------------------------
+    def fingerprint(self) -> bytes:
+        """16 bytes naming what a page's payload means, whatever the layout.
+
+        Layout is left out on purpose: files are stored in canonical order,
+        so a page written under one layout is valid under the other.
+        """
+        text = (f"kv={self.kv_count};layers={self.num_layers};heads={self.num_kv_heads};"
+                f"dim={self.head_dim};page={self.page_size};dtype={self.dtype}")
+        return hashlib.sha256(text.encode()).digest()[:16]
+
+    def to_dict(self) -> dict:
+        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "page_size": self.page_size,
+                "dtype": self.dtype, "layout": self.layout, "mla": self.mla}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PageGeometry":
+        return cls(**d)
+
+    def with_layout(self, layout: str) -> "PageGeometry":
+        return PageGeometry(**{**self.to_dict(), "layout": layout})

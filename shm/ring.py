@@ -1,0 +1,144 @@
+"""Single-producer single-consumer ring of fixed 64-byte records in shared memory.
+
+Owns the ring protocol. Must not know what a record means beyond its fields.
+
+Region layout (all counters are monotonically increasing uint64):
+
+    offset   0: head      written only by the consumer
+    offset  64: tail      written only by the producer (own cache line: no false sharing)
+    offset 128: capacity, record size (checked on attach)
+    offset 192: capacity records of RECORD_DTYPE
+
+Protocol: the producer writes records, then publishes `tail`; the consumer
+reads `tail`, copies records out, then publishes `head`.
+
+Platform assumption: on x86-64 an aligned 8-byte store is one instruction and
+stores are not reordered with older stores, nor loads with older loads (TSO),
+so "write records, then write tail" is seen in that order by the other side.
+Elsewhere (weak memory order, e.g. aarch64) every push and pop runs under a
+process-shared semaphore, whose acquire/release are full barriers.
+"""
+import platform
+
+import numpy as np
+import posix_ipc
+
+from .segment import Segment
+
+RECORD_DTYPE = np.dtype([
+    ("op_id", "<u8"),
+    ("host_page", "<i8"),
+    ("io_ns", "<u8"),       # on completion: time the worker spent on this page
+    ("page_pos", "<u4"),    # position of the page within its op
+    ("kind", "u1"),         # KIND_READ / KIND_WRITE
+    ("status", "u1"),       # on completion: a workers.status code
+    ("flags", "<u2"),
+    ("digest", "u1", (32,)),  # sha256 of (namespace, key): the page's identity
+])
+assert RECORD_DTYPE.itemsize == 64
+
+KIND_READ = 1
+KIND_WRITE = 2
+
+_HEAD, _TAIL, _CAP, _RECSZ = 0, 8, 16, 17  # indexes into the uint64 counter view
+_HEADER_BYTES = 192
+
+TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+def ring_bytes(capacity: int) -> int:
+    return _HEADER_BYTES + capacity * RECORD_DTYPE.itemsize
+
+
+class Ring:
+    """One direction of traffic between the scheduler and one worker."""
+
+    def __init__(self, name: str, capacity: int, *, create: bool, ordered_by_lock: bool = not TSO):
+        if capacity <= 0:
+            raise ValueError("ring capacity must be positive")
+        self.name = name
+        self.capacity = capacity
+        self.segment = Segment(name, ring_bytes(capacity), create=create)
+        buf = self.segment.map
+        self._ctr = memoryview(buf)[:_HEADER_BYTES].cast("Q")
+        if create:
+            self._ctr[_CAP] = capacity
+            self._ctr[_RECSZ] = RECORD_DTYPE.itemsize
+        elif self._ctr[_CAP] != capacity or self._ctr[_RECSZ] != RECORD_DTYPE.itemsize:
+            raise ValueError(f"ring {name}: capacity/record size mismatch")
+        self._records = np.frombuffer(buf, dtype=RECORD_DTYPE, count=capacity, offset=_HEADER_BYTES)
+        self._lock = None
+        if ordered_by_lock:
+            flags = posix_ipc.O_CREX if create else 0
+            self._lock = posix_ipc.Semaphore("/" + name + ".lk", flags, mode=0o600, initial_value=1)
+
+    # --- both sides --------------------------------------------------------
+    def depth(self) -> int:
+        return self._ctr[_TAIL] - self._ctr[_HEAD]
+
+    def free(self) -> int:
+        return self.capacity - self.depth()
+
+    # --- producer ----------------------------------------------------------
+    def push(self, records: np.ndarray) -> int:
+        """Append as many records as fit; return how many. Never blocks.
+
+        A return value below len(records) is backpressure: the ring is full.
+        """
+        if self._lock:
+            self._lock.acquire()
+        try:
+            tail = self._ctr[_TAIL]
+            n = min(len(records), self.capacity - (tail - self._ctr[_HEAD]))
+            if n <= 0:
+                return 0
+            start = tail % self.capacity
+            first = min(n, self.capacity - start)
+            self._records[start:start + first] = records[:first]
+            if n > first:
+                self._records[:n - first] = records[first:n]
+            self._ctr[_TAIL] = tail + n  # publish after the records are written
+            return n
+        finally:
+            if self._lock:
+                self._lock.release()
+
+    # --- consumer ----------------------------------------------------------
+    def pop(self, max_records: int | None = None) -> np.ndarray:
+        """Remove and return up to `max_records` records (a copy); empty if none."""
+        if self._lock:
+            self._lock.acquire()
+        try:
+            head = self._ctr[_HEAD]
+            n = self._ctr[_TAIL] - head
+            if max_records is not None:
+                n = min(n, max_records)
+            if n <= 0:
+                return _EMPTY
+            start = head % self.capacity
+            first = min(n, self.capacity - start)
+            if n > first:
+                out = np.concatenate((self._records[start:], self._records[:n - first]))
+            else:
+                out = self._records[start:start + n].copy()
+            self._ctr[_HEAD] = head + n  # release the slots only after copying out
+            return out
+        finally:
+            if self._lock:
+                self._lock.release()
+
+    def close(self) -> None:
+        del self._records
+        self._ctr.release()
+        self.segment.close()
+        if self._lock is not None:
+            if self.segment.owner:
+                try:
+                    self._lock.unlink()
+                except posix_ipc.ExistentialError:
+                    pass
+            self._lock.close()
+            self._lock = None
+
+
+_EMPTY = np.empty(0, dtype=RECORD_DTYPE)

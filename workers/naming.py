@@ -1,0 +1,77 @@
+"""Key-to-path naming for the page store.
+
+Owns the one rule that turns a caller's key into a file path: the path comes
+from sha256(namespace, key), fanned out over two directory levels, so a key is
+never used as a path (no traversal) and no directory holds millions of entries.
+Must not open files.
+"""
+import hashlib
+import os
+
+PAGE_SUFFIX = ".page"
+TMP_MARK = ".tmp."
+MAX_KEY_BYTES = 4096
+FORBIDDEN_IN_KEYS = ("/", "\\", "\0")
+
+
+def namespace(model: str, geometry_fingerprint: bytes, *, tp_rank: int = 0, tp_size: int = 1,
+              extra: str = "") -> str:
+    """The namespace a store's keys live in: model, TP rank/size and geometry.
+
+    Two engines whose namespaces differ can share a directory without ever
+    reading each other's pages.
+    """
+    return f"{model}|tp{tp_rank}of{tp_size}|{geometry_fingerprint.hex()}|{extra}"
+
+
+def check_key(key) -> bytes:
+    """Return the key's bytes, or raise ValueError for a key we refuse."""
+    if isinstance(key, str):
+        raw = key.encode()
+    elif isinstance(key, (bytes, bytearray)):
+        raw = bytes(key)
+    else:
+        raise ValueError(f"a key must be str or bytes, got {type(key).__name__}")
+    if not raw:
+        raise ValueError("empty key")
+    if len(raw) > MAX_KEY_BYTES:
+        raise ValueError(f"key of {len(raw)} bytes is longer than {MAX_KEY_BYTES}")
+    text = raw.decode("latin-1")
+    if ".." in text or any(c in text for c in FORBIDDEN_IN_KEYS):
+        raise ValueError(f"key {key!r} contains '/', '\\\\', '..' or NUL")
+    return raw
+
+
+def key_digest(key, ns: str) -> bytes:
+    """32-byte identity of a key within a namespace (checks the key first)."""
+    return hashlib.sha256(ns.encode() + b"\0" + check_key(key)).digest()
+
+
+def page_path(root: str, digest: bytes) -> str:
+    h = digest.hex()
+    return os.path.join(root, h[:2], h[2:4], h + PAGE_SUFFIX)
+
+
+def digest_from_name(filename: str) -> bytes | None:
+    """The digest a store file name carries, or None for anything else."""
+    if not filename.endswith(PAGE_SUFFIX) or len(filename) != 64 + len(PAGE_SUFFIX):
+        return None
+    try:
+        return bytes.fromhex(filename[:64])
+    except ValueError:
+        return None
+
+
+def tmp_path(path: str, pid: int, serial: int) -> str:
+    """A writer's private temp name beside the final path (same directory, so
+    `os.replace` is atomic). It never ends in .page, so it is never a page."""
+    return f"{path}{TMP_MARK}{pid}.{serial}"
+
+
+def tmp_owner(filename: str) -> int | None:
+    """The writer pid of a temp file name, or None if it is not one."""
+    i = filename.find(TMP_MARK)
+    if i < 0:
+        return None
+    pid = filename[i + len(TMP_MARK):].split(".", 1)[0]
+    return int(pid) if pid.isdigit() else None

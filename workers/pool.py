@@ -1,0 +1,185 @@
+"""WorkerPool: starts, watches, replaces and stops the I/O worker processes.
+
+    engine (scheduler process)                 worker i  (python -m workers.worker)
+    --------------------------                 ------------------------------------
+    submit_ring[i].push(records) ------------>  pop, do I/O into/out of the pool
+    wake[i].post()  (once per batch)              (sleeps on wake[i] when idle)
+    completion_ring[i].pop()  <---------------  push completion, post done if WAITERS
+    check(): a dead worker is reported,         exits on STOP or when its parent dies
+             then respawned with fresh rings
+
+Owns process lifecycle and the per-worker rings and wake semaphore. Must not
+interpret records: the engine does that. Workers are launched through
+`subprocess` (spawn semantics: fresh interpreter, no CUDA state, no inherited
+locks), which also works from a daemonic multiprocessing parent.
+
+Shutdown protocol (close()):
+  1. set STOP in the control block;
+  2. post every worker's wake semaphore, so sleepers see STOP at once;
+  3. wait up to `grace_s` for every worker to exit;
+  4. SIGKILL stragglers and reap them;
+  5. close and unlink every ring and semaphore the pool created.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from shm import Ring, WakeSemaphore
+from workers.control import MAX_WORKERS, READY_PID, STOP, Control
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class WorkerStartError(RuntimeError):
+    """A worker could not be started (it exited or never became ready)."""
+
+
+class BrokenPool(RuntimeError):
+    """The pool is closed or could not replace a dead worker."""
+
+
+@dataclass
+class WorkerHandle:
+    index: int
+    generation: int
+    proc: subprocess.Popen
+    submit: Ring
+    completion: Ring
+    wake: WakeSemaphore
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+class WorkerPool:
+    def __init__(self, *, num_workers: int, tag: str, control: Control, done_sem: str,
+                 worker_config: dict, ring_capacity: int, pin_cpus: list[int] | None = None,
+                 start_timeout_s: float = 60.0):
+        if not 1 <= num_workers <= MAX_WORKERS:
+            raise ValueError(f"num_workers must be in [1, {MAX_WORKERS}], got {num_workers}")
+        self.tag = tag
+        self.control = control
+        self.done_sem = done_sem
+        self.base_config = worker_config
+        self.ring_capacity = ring_capacity
+        self.pin_cpus = pin_cpus
+        self.start_timeout_s = start_timeout_s
+        self.respawns = 0
+        self.workers: list[WorkerHandle] = []
+        self.closed = False
+        try:
+            for i in range(num_workers):
+                self.workers.append(self._spawn(i, 0))
+            self._wait_ready(self.workers)
+        except BaseException:
+            self.close()
+            raise
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    # --- lifecycle ----------------------------------------------------------
+    def _spawn(self, index: int, generation: int) -> WorkerHandle:
+        base = f"{self.tag}.w{index}g{generation}"
+        submit = Ring(base + ".sub", self.ring_capacity, create=True)
+        completion = Ring(base + ".cpl", self.ring_capacity, create=True)
+        wake = WakeSemaphore(base + ".wake", create=True)
+        self.control.workers[index][READY_PID] = 0
+        cfg = dict(self.base_config, index=index, parent_pid=os.getpid(),
+                   submit_ring=submit.name, completion_ring=completion.name,
+                   ring_capacity=self.ring_capacity, wake_sem=wake.name,
+                   done_sem=self.done_sem, control=self.control.name)
+        cfg["orphan_unlink_shm"] = [cfg["pool_name"], cfg["control"], submit.name, completion.name]
+        cfg["orphan_unlink_sem"] = [wake.name, self.done_sem]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = _PACKAGE_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "workers.worker", f"hicache_mp-worker-{index}", json.dumps(cfg)],
+                env=env, stdin=subprocess.DEVNULL, close_fds=True)
+        except BaseException:
+            for r in (submit, completion, wake):
+                r.close()
+            raise
+        handle = WorkerHandle(index, generation, proc, submit, completion, wake)
+        if self.pin_cpus:
+            self._pin(handle)
+        return handle
+
+    def _pin(self, handle: WorkerHandle) -> None:
+        import psutil
+        cpu = self.pin_cpus[handle.index % len(self.pin_cpus)]
+        try:
+            psutil.Process(handle.pid).cpu_affinity([cpu])
+        except (psutil.Error, OSError, AttributeError):
+            pass  # pinning is an optimisation, never a reason to fail
+
+    def _wait_ready(self, handles: list[WorkerHandle]) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        pending = list(handles)
+        while pending:
+            for h in list(pending):
+                if int(self.control.workers[h.index][READY_PID]) == h.pid:
+                    pending.remove(h)
+                elif not h.alive():
+                    raise WorkerStartError(
+                        f"hicache_mp-worker-{h.index} exited with code {h.proc.returncode} "
+                        f"before it was ready (see its stderr above)")
+            if pending and time.monotonic() > deadline:
+                raise WorkerStartError(f"{len(pending)} worker(s) not ready after {self.start_timeout_s}s")
+            if pending:
+                time.sleep(0.002)
+
+    def dead(self) -> list[WorkerHandle]:
+        """Workers that have exited without being asked to. A waitpid per worker."""
+        if self.closed:
+            return []
+        return [h for h in self.workers if not h.alive()]
+
+    def respawn(self, handle: WorkerHandle) -> WorkerHandle:
+        """Replace a dead worker. The caller has drained its completion ring."""
+        if self.closed:
+            raise BrokenPool("pool is closed")
+        for r in (handle.submit, handle.completion, handle.wake):
+            r.close()
+        new = self._spawn(handle.index, handle.generation + 1)
+        self.workers[handle.index] = new
+        self.respawns += 1
+        try:
+            self._wait_ready([new])
+        except WorkerStartError as exc:
+            raise BrokenPool(f"could not replace hicache_mp-worker-{handle.index}: {exc}") from exc
+        return new
+
+    def close(self, grace_s: float = 2.0) -> None:
+        self.stop(grace_s)
+        for h in self.workers:                             # 5
+            for r in (h.submit, h.completion, h.wake):
+                r.close()
+        self.workers = []
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Steps 1-4: the workers are gone; their rings stay readable."""
+        if self.closed:
+            return
+        self.closed = True
+        self.control.words[STOP] = 1                       # 1
+        for h in self.workers:                             # 2
+            try:
+                h.wake.post()
+            except Exception:
+                pass
+        deadline = time.monotonic() + grace_s              # 3
+        for h in self.workers:
+            try:
+                h.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                h.proc.kill()                              # 4
+                h.proc.wait()

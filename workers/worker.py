@@ -1,0 +1,238 @@
+"""The I/O worker process: pops page records, moves bytes between files and the pool.
+
+Run as ``python -m workers.worker hicache_mp-worker-<i> '<json config>'`` by
+`WorkerPool` (a fresh interpreter: no CUDA state, no inherited locks, and it
+works from a daemonic parent where multiprocessing refuses to start children).
+Imports no torch: os, mmap, numpy and posix_ipc only.
+
+Owns the per-page I/O: a read is open + one preadv (header and payload
+straight into the pool slot) + close; a write is a pwritev into a private temp
+file + os.replace. Must not decide policy: it does what the records say and
+reports a status for each.
+
+Loop, with one exit path:
+  1. pop up to `batch` records from the submit ring;
+  2. if none: sleep on the wake semaphore (timeout: parent watch), go to 1;
+  3. for each record: skip if its op is cancelled, else do the I/O, push a
+     completion (status, io time), post the done semaphore if anyone waits;
+  4. leave when the control block says stop or the parent has gone. An
+     orphan unlinks the names it knows, so a crashed scheduler leaves nothing
+     in /dev/shm even if no engine ever starts again.
+"""
+import errno
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from shm import PageGeometry, Ring, WakeSemaphore
+from shm.hostpool import HostPool
+from shm.ring import KIND_READ, RECORD_DTYPE
+from workers import naming, pagefile, status
+from workers.control import BUSY_NS, BYTES, PAGES, READY_PID, WAITERS, Control
+
+PARENT_CHECK_S = 0.25
+
+_WRITE_ERRNO = {
+    errno.ENOSPC: status.NOSPACE, errno.EDQUOT: status.NOSPACE, errno.EFBIG: status.NOSPACE,
+    errno.EACCES: status.DENIED, errno.EPERM: status.DENIED, errno.EROFS: status.DENIED,
+}
+
+
+def _set_process_name(name: str) -> None:
+    """Best effort: show the worker's name in top/ps (comm); argv carries it anyway."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except Exception:
+        pass
+
+
+class Worker:
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        self.index = cfg["index"]
+        self.parent_pid = cfg["parent_pid"]
+        self.root = cfg["storage_dir"]
+        self.geometry = PageGeometry.from_dict(cfg["geometry"])
+        self.fp = self.geometry.fingerprint()
+        self.payload_len = self.geometry.page_bytes
+        self.verify_crc = cfg.get("verify_checksum", True)
+        self.write_crc = cfg.get("write_checksum", False)
+        self.fsync = cfg.get("fsync", "none")
+        self.batch = cfg.get("batch", 16)
+        self.pool = HostPool(self.geometry, cfg["pool_pages"], name=cfg["pool_name"],
+                             create=False, populate=cfg.get("populate", True))
+        self.submit = Ring(cfg["submit_ring"], cfg["ring_capacity"], create=False)
+        self.completion = Ring(cfg["completion_ring"], cfg["ring_capacity"], create=False)
+        self.wake = WakeSemaphore(cfg["wake_sem"], create=False)
+        self.done = WakeSemaphore(cfg["done_sem"], create=False)
+        self.control = Control(cfg["control"], create=False)
+        self.stats = self.control.workers[self.index]
+        self.header = bytearray(pagefile.HEADER_SIZE)
+        self.overflow = bytearray(1)  # a file longer than expected fills this: corrupt
+        self.made_dirs: set[str] = set()
+        self.serial = 0
+        self.pid = os.getpid()
+        self.out = np.zeros(1, dtype=RECORD_DTYPE)
+
+    # --- the loop -----------------------------------------------------------
+    def run(self) -> int:
+        self.stats[READY_PID] = self.pid
+        orphaned = False
+        while not self.control.stopping():
+            if os.getppid() != self.parent_pid:
+                orphaned = True
+                break
+            records = self.submit.pop(self.batch)
+            if len(records) == 0:
+                self.wake.wait(PARENT_CHECK_S)
+                continue
+            for rec in records:
+                self._one(rec)
+        if orphaned:
+            self._unlink_all()
+        return 0
+
+    def _one(self, rec) -> None:
+        t0 = time.perf_counter_ns()
+        if self.control.cancelled(int(rec["op_id"])):
+            code, err, nbytes = status.CANCELLED, 0, 0
+        else:
+            digest = rec["digest"].tobytes()
+            path = naming.page_path(self.root, digest)
+            iovecs = self.pool.page_iovecs(int(rec["host_page"]))
+            if rec["kind"] == KIND_READ:
+                code, err = self._read(path, digest, iovecs)
+            else:
+                code, err = self._write(path, digest, iovecs)
+            nbytes = self.payload_len if code == status.OK else 0
+        io_ns = time.perf_counter_ns() - t0
+        out = self.out
+        out[0] = rec
+        out["status"][0] = code
+        out["flags"][0] = err
+        out["io_ns"][0] = io_ns
+        while self.completion.push(out) == 0:
+            # The scheduler has not drained completions yet; it will. Never drop one.
+            if os.getppid() != self.parent_pid or self.control.stopping():
+                return
+            time.sleep(0.0005)
+        self.stats[BUSY_NS] += io_ns
+        self.stats[PAGES] += 1
+        self.stats[BYTES] += nbytes
+        if self.control.words[WAITERS]:
+            self.done.post()
+
+    # --- reads --------------------------------------------------------------
+    def _read(self, path: str, digest: bytes, iovecs) -> tuple[int, int]:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return status.MISS, 0
+        except OSError as exc:
+            return status.UNREADABLE, exc.errno or 0
+        try:
+            want = pagefile.HEADER_SIZE + self.payload_len
+            got = _preadv_full(fd, [self.header, *iovecs, self.overflow], want + 1)
+        except OSError as exc:
+            return status.UNREADABLE, exc.errno or 0
+        finally:
+            os.close(fd)
+        if got < pagefile.HEADER_SIZE:
+            return status.CORRUPT, 0
+        code, crc = pagefile.check_header(self.header, self.payload_len, self.fp, digest)
+        if code != status.OK:
+            return code, 0
+        if got != want:  # truncated or longer than a page: never trust it
+            return status.CORRUPT, 0
+        if crc is not None and self.verify_crc and pagefile.payload_crc(iovecs) != crc:
+            return status.CORRUPT, 0
+        return status.OK, 0
+
+    # --- writes -------------------------------------------------------------
+    def _write(self, path: str, digest: bytes, iovecs) -> tuple[int, int]:
+        crc = pagefile.payload_crc(iovecs) if self.write_crc else None
+        header = pagefile.build_header(self.payload_len, self.fp, digest, crc)
+        self.serial += 1
+        tmp = naming.tmp_path(path, self.pid, self.serial)
+        fd = -1
+        try:
+            directory = os.path.dirname(path)
+            if directory not in self.made_dirs:
+                os.makedirs(directory, mode=0o700, exist_ok=True)
+                self.made_dirs.add(directory)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            _pwritev_full(fd, [header, *iovecs])
+            if self.fsync == "data":
+                os.fdatasync(fd)
+            elif self.fsync == "always":
+                os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, path)  # readers see the old page or the new one, never a part
+            return status.OK, 0
+        except OSError as exc:
+            if fd >= 0:
+                os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return _WRITE_ERRNO.get(exc.errno, status.IOERROR), exc.errno or 0
+
+    def _unlink_all(self) -> None:
+        import posix_ipc
+        for name in self.cfg.get("orphan_unlink_shm", []):
+            try:
+                posix_ipc.unlink_shared_memory("/" + name)
+            except (posix_ipc.ExistentialError, PermissionError):
+                pass
+        for name in self.cfg.get("orphan_unlink_sem", []):
+            WakeSemaphore.unlink_name(name)
+
+
+def _preadv_full(fd: int, iovecs: list, total: int) -> int:
+    """preadv until `total` bytes or EOF (network filesystems may return short)."""
+    got = os.preadv(fd, iovecs, 0)
+    while 0 < got < total:
+        rest = _skip(iovecs, got)
+        n = os.preadv(fd, rest, got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _pwritev_full(fd: int, iovecs: list) -> None:
+    total = sum(len(v) for v in iovecs)
+    done = os.pwritev(fd, iovecs, 0)
+    while done < total:
+        done += os.pwritev(fd, _skip(iovecs, done), done)
+
+
+def _skip(iovecs: list, nbytes: int) -> list:
+    """The iovecs left after the first `nbytes` bytes."""
+    out = []
+    for v in iovecs:
+        mv = memoryview(v)
+        if nbytes >= len(mv):
+            nbytes -= len(mv)
+            continue
+        out.append(mv[nbytes:])
+        nbytes = 0
+    return out
+
+
+def main(argv: list[str]) -> int:
+    name, cfg = argv[1], json.loads(argv[2])
+    _set_process_name(name)
+    worker = Worker(cfg)
+    return worker.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
