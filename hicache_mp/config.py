@@ -2,6 +2,7 @@
 
 Owns defaults and their checks. Must not start anything.
 """
+import os
 from dataclasses import dataclass, field, asdict
 
 POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -41,6 +42,7 @@ class EngineConfig:
     def __post_init__(self):
         if not self.storage_dir:
             raise ValueError("EngineConfig.storage_dir is required")
+        self.storage_dir = os.path.abspath(os.path.expanduser(self.storage_dir))
         if self.num_workers < 0:
             raise ValueError(f"num_workers must be >= 0 (0 = auto), got {self.num_workers}")
         if not isinstance(self.host_pool_pages, int) or self.host_pool_pages <= 0:

@@ -238,7 +238,7 @@ class EngineCore:
 
     def _log_cause(self, kind: str, code: int, err: int) -> None:
         """One log line per distinct cause, not one per page."""
-        if code in (st.MISS, st.CANCELLED):
+        if code in (st.MISS, st.CANCELLED, st.WORKER_DIED):  # deaths are logged by the engine
             return
         cause = (kind, code, err)
         if cause in self._logged_causes:

@@ -37,7 +37,7 @@ from workers.control import BUSY_NS, BYTES, PAGES, WAITERS, Control
 from workers.pool import BrokenPool, WorkerPool
 
 from .config import EngineConfig
-from .core import EngineCore
+from .core import EngineCore, log
 from .ops import READ, Op
 
 HEALTH_CHECK_S = 0.1
@@ -147,11 +147,15 @@ class PrefetchEngine(EngineCore):
         for handle in self.pool.dead():
             self._drain_ring(handle.completion)  # what it finished before dying still counts
             now = time.perf_counter_ns()
+            failed = 0
             for op in list(self._ops.values()):
                 lost = np.flatnonzero((op.worker_of == handle.index) & (op.page_status == st.PENDING))
                 for pos in lost.tolist():
                     self._apply(op, pos, st.WORKER_DIED, 0, 0, now)
-            self._log_cause("worker", st.WORKER_DIED, 0)
+                failed += len(lost)
+            log.warning("hicache_mp-worker-%d (pid %d) died with exit code %s; %d in-flight "
+                        "page(s) failed; starting a replacement", handle.index, handle.pid,
+                        handle.proc.returncode, failed)
             try:
                 self.pool.respawn(handle)
             except BrokenPool as exc:

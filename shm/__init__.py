@@ -8,7 +8,8 @@ from .names import PREFIX, clean_stale, new_owner_tag
 from .segment import Segment
 from .geometry import PageGeometry
 from .ring import Ring, RECORD_DTYPE
+from .hostpool import HostPool
 from .wake import WakeSemaphore
 
 __all__ = ["PREFIX", "clean_stale", "new_owner_tag", "Segment", "PageGeometry",
-           "Ring", "RECORD_DTYPE", "WakeSemaphore"]
+           "Ring", "RECORD_DTYPE", "HostPool", "WakeSemaphore"]

@@ -31,6 +31,7 @@ from shm import PageGeometry, Ring, WakeSemaphore
 from shm.hostpool import HostPool
 from shm.ring import KIND_READ, RECORD_DTYPE
 from workers import naming, pagefile, status
+from workers.storedir import ensure_parent
 from workers.control import BUSY_NS, BYTES, PAGES, READY_PID, WAITERS, Control
 
 PARENT_CHECK_S = 0.25
@@ -163,7 +164,7 @@ class Worker:
         try:
             directory = os.path.dirname(path)
             if directory not in self.made_dirs:
-                os.makedirs(directory, mode=0o700, exist_ok=True)
+                ensure_parent(path, self.root)
                 self.made_dirs.add(directory)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             _pwritev_full(fd, [header, *iovecs])

@@ -1,0 +1,140 @@
+"""ThreadedFileEngine: the `file` baseline, reading on a Python thread in-process.
+
+It reproduces how SGLang's HiCacheFile backend moves pages, so the two can be
+compared in one run: for each page a temporary tensor, an `open`, `readinto`
+into that tensor, then a copy into the host pool; writes copy the page out
+and write it. The I/O runs on Python threads inside the scheduler process, so
+every step needs the GIL, which a busy scheduler loop rarely lets go. Same
+API, same file format and same host pool as `PrefetchEngine`.
+
+Owns only that thread's loop. Must not be used as the production path.
+"""
+import collections
+import os
+import queue
+import threading
+import time
+
+import torch
+
+from shm import HostPool, new_owner_tag, clean_stale
+from workers import naming, pagefile
+from workers.storedir import ensure_parent
+from workers import status as st
+
+from .core import EngineCore
+from .ops import READ, Op
+
+
+class ThreadedFileEngine(EngineCore):
+    backend = "file"
+
+    def __init__(self, config, geometry):
+        super().__init__(config, geometry)
+        clean_stale()
+        self.tag = new_owner_tag()
+        self.host_pool = HostPool(geometry, config.host_pool_pages, name=self.tag + ".pool",
+                                  create=True, populate=config.populate)
+        self._dtype = getattr(torch, geometry.dtype)
+        self._numel = geometry.page_bytes // geometry.itemsize
+        self._fp = geometry.fingerprint()
+        self._done = collections.deque()  # (op, pos, status, io_ns, errno) from the threads
+        self._stopping = False
+        self._signal = threading.Event()
+        self._queues = {"read": queue.Queue(), "write": queue.Queue()}
+        self._threads = [threading.Thread(target=self._loop, args=(kind,), daemon=True,
+                                          name=f"hicache_mp-file-{kind}") for kind in self._queues]
+        self._serial = 0
+        for t in self._threads:
+            t.start()
+
+    # --- the I/O threads ------------------------------------------------------
+    def _loop(self, kind: str) -> None:
+        q = self._queues[kind]
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            op, pos = item
+            t0 = time.perf_counter_ns()
+            if op._cancelled or self._stopping:
+                code, err = st.CANCELLED, 0
+            elif kind == READ:
+                code, err = self._read(op, pos)
+            else:
+                code, err = self._write(op, pos)
+            self._done.append((op, pos, code, time.perf_counter_ns() - t0, err))
+            self._signal.set()
+
+    def _read(self, op: Op, pos: int) -> tuple[int, int]:
+        path = naming.page_path(self.config.storage_dir, op.digests[pos])
+        tmp = torch.empty(self._numel, dtype=self._dtype)   # per page, as SGLang's file backend
+        try:
+            with open(path, "rb", buffering=0) as f:
+                header = f.read(pagefile.HEADER_SIZE)
+                code, _ = pagefile.check_header(header, self.geometry.page_bytes, self._fp, op.digests[pos])
+                if code != st.OK:
+                    return code, 0
+                n = f.readinto(memoryview(tmp.view(torch.uint8).numpy()))
+                if n != self.geometry.page_bytes or f.read(1):
+                    return st.CORRUPT, 0
+        except FileNotFoundError:
+            return st.MISS, 0
+        except OSError as exc:
+            return st.UNREADABLE, exc.errno or 0
+        self.host_pool.page_view(int(op.host_pages[pos])).copy_(tmp.view(self.geometry.page_shape))
+        return st.OK, 0
+
+    def _write(self, op: Op, pos: int) -> tuple[int, int]:
+        path = naming.page_path(self.config.storage_dir, op.digests[pos])
+        flat = self.host_pool.page_view(int(op.host_pages[pos])).contiguous()  # a copy, as SGLang
+        self._serial += 1
+        tmp = naming.tmp_path(path, os.getpid(), self._serial)
+        try:
+            ensure_parent(path, self.config.storage_dir)
+            with open(tmp, "wb") as f:
+                f.write(pagefile.build_header(self.geometry.page_bytes, self._fp, op.digests[pos]))
+                f.write(memoryview(flat.view(-1).view(torch.uint8).numpy()))
+            os.replace(tmp, path)
+            return st.OK, 0
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return st.IOERROR, exc.errno or 0
+
+    # --- hooks ----------------------------------------------------------------
+    def _submit(self, op: Op) -> None:
+        q = self._queues[op.kind]
+        for pos in range(op.num_pages):
+            q.put((op, pos))
+
+    def _drain(self) -> int:
+        n = 0
+        while self._done:
+            op, pos, code, io_ns, err = self._done.popleft()
+            self._apply(op, pos, code, io_ns, err, time.perf_counter_ns())
+            n += 1
+        return n
+
+    def _cancel_io(self, op: Op) -> None:
+        pass  # the threads check op._cancelled before each page
+
+    def _sleep_for_completion(self, timeout_s: float) -> None:
+        self._signal.wait(timeout_s)
+        self._signal.clear()
+
+    def _shutdown_io(self) -> None:
+        self._stopping = True
+        for q in self._queues.values():
+            q.put(None)
+        for t in self._threads:
+            t.join()
+        self._drain()
+
+    def _release_shm(self) -> None:
+        self.host_pool.close()
+
+    def _num_workers(self) -> int:
+        return 1

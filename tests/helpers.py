@@ -1,0 +1,30 @@
+"""Small builders shared by tests: geometries, engines, random pages."""
+import torch
+
+from hicache_mp import EngineConfig, PageGeometry, make_engine
+
+SMALL = dict(num_layers=3, num_kv_heads=2, head_dim=16, page_size=4, dtype="bfloat16")
+
+
+def geometry(layout="page_first", **kw) -> PageGeometry:
+    return PageGeometry(**{**SMALL, **kw, "layout": layout})
+
+
+def engine(store, layout="page_first", backend="mp", pages=64, workers=2, **cfg):
+    return make_engine(backend, EngineConfig(storage_dir=store, num_workers=workers,
+                                             host_pool_pages=pages, **cfg), geometry(layout))
+
+
+def random_pages(g: PageGeometry, n: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn((n, *g.page_shape), generator=gen).to(getattr(torch, g.dtype))
+
+
+def fill(eng, slots, data) -> None:
+    for slot, page in zip(slots, data):
+        eng.host_pool.page_view(slot).copy_(page)
+
+
+def read_back(eng, slots) -> torch.Tensor:
+    views = [eng.host_pool.page_view(s).clone() for s in slots]
+    return torch.stack(views) if views else torch.empty(0, *eng.geometry.page_shape, dtype=getattr(torch, eng.geometry.dtype))
