@@ -1,0 +1,293 @@
+#!/usr/bin/env python3
+"""Prefetch throughput: `mp` engine vs the threaded `file` baseline vs the raw ceiling.
+
+Everything is measured in one run on the same page files (page cache warm):
+
+  raw ceiling     W plain processes preadv-ing their share of the files into a
+                  MAP_POPULATE'd shared pool (no engine, no rings)
+  mp  idle/busy   PrefetchEngine with W workers; the main thread either sleeps
+                  in engine.wait() or runs a busy pure-Python scheduler loop
+                  that calls poll() every iteration
+  file idle/busy  the in-process threaded baseline under the same two loops
+  loop rate       iterations/s of that busy loop with no I/O, and while mp
+                  prefetches at full speed
+  poll() cost     median/p99 of poll() with 24 ops in flight
+
+It prints the ratios DESIGN.md §5 sets targets for; `--json` writes every figure.
+Timings on a small CI machine only catch regressions; report figures from a
+real box (README "Measured results").
+"""
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from hicache_mp import EngineConfig, PageGeometry, make_engine  # noqa: E402
+from hicache_mp.config import auto_workers  # noqa: E402
+from shm import HostPool, new_owner_tag  # noqa: E402
+from workers import naming, pagefile  # noqa: E402
+
+OP_PAGES = 128          # one op = 128 pages = 1 GiB at 8 MiB pages, as in the user's logs
+POLL_OPS = 24
+
+
+def log(msg: str) -> None:
+    print(f"[bench_prefetch {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --- busy scheduler loop ------------------------------------------------------
+def _scheduler_step(engine) -> None:
+    """One iteration of a pure-Python scheduler: poll, then some bookkeeping."""
+    if engine is not None:
+        engine.poll()
+    acc = 0
+    for i in range(200):  # ~10 µs of interpreter work, like a scheduler's batch bookkeeping
+        acc += i & 7
+    return acc
+
+
+def idle_loop_rate(seconds: float) -> float:
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        _scheduler_step(None)
+        n += 1
+    return n / (time.perf_counter() - t0)
+
+
+# --- running prefetches -------------------------------------------------------
+def run_prefetch(engine, keys, rounds: int, busy: bool, cap_s: float) -> dict:
+    """Prefetch every key `rounds` times in OP_PAGES ops; GB/s and loop rate."""
+    n = len(keys)
+    slots = np.arange(n)
+    page_bytes = engine.geometry.page_bytes
+    landed = 0
+    iters = 0
+    t0 = time.perf_counter()
+    deadline = t0 + cap_s
+    capped = False
+    for _ in range(rounds):
+        ops = [engine.prefetch(keys[i:i + OP_PAGES], slots[i:i + OP_PAGES]) for i in range(0, n, OP_PAGES)]
+        if busy:
+            while not all(op.done for op in ops):
+                _scheduler_step(engine)
+                iters += 1
+                if time.perf_counter() > deadline:
+                    break
+        else:
+            for op in ops:
+                engine.wait(op, max(0.0, deadline - time.perf_counter()))
+        if time.perf_counter() > deadline:
+            capped = True
+            for op in ops:
+                engine.cancel(op)
+            landed += sum(op.completed_pages for op in ops)
+            for op in ops:
+                engine.wait(op, 60)
+            break
+        bad = [op for op in ops if op.status != "ok"]
+        if bad:
+            raise RuntimeError(f"prefetch failed: {bad[0]} {bad[0].status_counts()}")
+        landed += sum(op.completed_pages for op in ops)
+    elapsed = time.perf_counter() - t0 if not capped else cap_s
+    return {"gbps": landed * page_bytes / elapsed / 1e9, "seconds": elapsed, "pages": landed,
+            "loop_rate": iters / elapsed if busy else None, "capped": capped}
+
+
+def poll_cost(engine, keys) -> dict:
+    per_op = max(1, len(keys) // POLL_OPS)
+    ops = [engine.prefetch(keys[i * per_op:(i + 1) * per_op], np.arange(i * per_op, (i + 1) * per_op))
+           for i in range(POLL_OPS)]
+    samples = []
+    while not all(op.done for op in ops):
+        t = time.perf_counter_ns()
+        engine.poll()
+        samples.append(time.perf_counter_ns() - t)
+    samples.sort()
+    return {"median_us": samples[len(samples) // 2] / 1e3,
+            "p99_us": samples[int(len(samples) * 0.99)] / 1e3, "calls": len(samples),
+            "ops_in_flight": POLL_OPS}
+
+
+# --- raw ceiling --------------------------------------------------------------
+def _raw_reader(args):
+    pool_name, pool_pages, geometry, jobs, barrier = args
+    pool = HostPool(PageGeometry.from_dict(geometry), pool_pages, name=pool_name, create=False)
+    header = bytearray(pagefile.HEADER_SIZE)
+    barrier.wait()
+    t0 = time.perf_counter()
+    for path, slot in jobs:
+        fd = os.open(path, os.O_RDONLY)
+        os.preadv(fd, [header, *pool.page_iovecs(slot)], 0)
+        os.close(fd)
+    dt = time.perf_counter() - t0
+    del header
+    pool.close()
+    return dt
+
+
+def raw_ceiling(paths, geometry, workers: int, rounds: int) -> dict:
+    n = len(paths)
+    pool = HostPool(geometry, n, name=new_owner_tag() + ".raw", create=True)
+    ctx = mp.get_context("spawn")
+    try:
+        with ctx.Manager() as manager:
+            barrier = manager.Barrier(workers + 1)
+            jobs = [[] for _ in range(workers)]
+            for r in range(rounds):
+                for i, p in enumerate(paths):
+                    jobs[i % workers].append((p, i))
+            with ctx.Pool(workers) as procs:
+                result = procs.map_async(_raw_reader, [(pool.name, n, geometry.to_dict(), j, barrier) for j in jobs])
+                barrier.wait()
+                t0 = time.perf_counter()
+                result.get()
+                elapsed = time.perf_counter() - t0
+    finally:
+        pool.close()
+    total = n * rounds * geometry.page_bytes
+    return {"gbps": total / elapsed / 1e9, "seconds": elapsed, "workers": workers}
+
+
+# --- main ---------------------------------------------------------------------
+def build_store(args, geometry, store) -> list[str]:
+    keys = [f"bench-page-{i}" for i in range(args.pages)]
+    cfg = EngineConfig(storage_dir=store, num_workers=args.workers[-1], host_pool_pages=args.pages,
+                       model_name="bench")
+    with make_engine("mp", cfg, geometry) as eng:
+        if eng.exists(keys) < len(keys):
+            log(f"writing {args.pages} pages of {geometry.page_bytes / 2**20:.2f} MiB to {store}")
+            gen = torch.Generator().manual_seed(0)
+            t = eng.host_pool.tensor.view(torch.int16)
+            t.copy_(torch.randint(-30000, 30000, t.shape, dtype=torch.int16, generator=gen))
+            t0 = time.perf_counter()
+            op = eng.backup(keys, range(args.pages))
+            eng.wait(op)
+            if op.status != "ok":
+                raise RuntimeError(f"could not write the store: {op.status_counts()}")
+            args.backup_gbps = args.pages * geometry.page_bytes / (time.perf_counter() - t0) / 1e9
+            log(f"store written at {args.backup_gbps:.2f} GB/s")
+        ns = eng.namespace
+    return keys, [naming.page_path(cfg.storage_dir, naming.key_digest(k, ns)) for k in keys]
+
+
+def warm_page_cache(paths) -> None:
+    buf = bytearray(1 << 20)
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pages", type=int, default=1024, help="pages in the store (default 1024 = 8 GiB at 8 MiB)")
+    ap.add_argument("--rounds", type=int, default=3, help="times each measurement reads every page (default 3)")
+    ap.add_argument("--workers", type=int, nargs="+", default=[0],
+                    help="worker counts to sweep; the last is used for the headline ratios (default: auto)")
+    ap.add_argument("--page-size", type=int, default=64, help="tokens per page (default 64)")
+    ap.add_argument("--num-layers", type=int, default=32)
+    ap.add_argument("--num-kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--hicache-mem-layout", default="page_first", choices=["page_first", "layer_first"])
+    ap.add_argument("--storage-dir", default=None, help="store directory (default: a temp dir, removed after)")
+    ap.add_argument("--file-cap-s", type=float, default=15.0,
+                    help="stop a baseline measurement after this long and report what landed (default 15)")
+    ap.add_argument("--quick", action="store_true", help="small pages and store, for a CPU smoke run")
+    ap.add_argument("--json", default=None, help="write every figure to this path")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.pages, args.rounds, args.num_layers, args.page_size = 128, 2, 8, 32
+    args.workers = [w or auto_workers() for w in args.workers]
+    args.backup_gbps = None
+    geometry = PageGeometry(args.num_layers, args.num_kv_heads, args.head_dim, args.page_size,
+                            "bfloat16", args.hicache_mem_layout)
+    store = args.storage_dir or tempfile.mkdtemp(prefix="hicache_mp_bench_")
+    out = {"geometry": geometry.to_dict(), "page_bytes": geometry.page_bytes, "pages": args.pages,
+           "rounds": args.rounds, "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+    try:
+        keys, paths = build_store(args, geometry, store)
+        out["backup_gbps"] = args.backup_gbps
+        log("warming the page cache")
+        warm_page_cache(paths)
+        log("idle scheduler loop rate (no I/O)")
+        out["loop_rate_idle"] = idle_loop_rate(1.0)
+        out["sweep"] = {}
+        for w in args.workers:
+            log(f"raw ceiling with {w} reader processes")
+            raw = raw_ceiling(paths, geometry, w, args.rounds)
+            cfg = EngineConfig(storage_dir=store, num_workers=w, host_pool_pages=args.pages, model_name="bench")
+            with make_engine("mp", cfg, geometry) as eng:
+                log(f"mp with {w} workers: idle scheduler")
+                idle = run_prefetch(eng, keys, args.rounds, busy=False, cap_s=600)
+                log(f"mp with {w} workers: busy scheduler")
+                busy = run_prefetch(eng, keys, args.rounds, busy=True, cap_s=600)
+                pc = poll_cost(eng, keys)
+                m = eng.metrics()
+            out["sweep"][w] = {"raw": raw, "mp_idle": idle, "mp_busy": busy, "poll": pc,
+                               "worker_busy": m["worker_busy"]}
+            log(f"  raw {raw['gbps']:.2f} GB/s | mp idle {idle['gbps']:.2f} | mp busy {busy['gbps']:.2f} "
+                f"| poll median {pc['median_us']:.1f} µs")
+        cfg = EngineConfig(storage_dir=store, num_workers=1, host_pool_pages=args.pages, model_name="bench")
+        with make_engine("file", cfg, geometry) as eng:
+            log("file baseline: idle scheduler")
+            out["file_idle"] = run_prefetch(eng, keys, 1, busy=False, cap_s=args.file_cap_s)
+            log("file baseline: busy scheduler")
+            out["file_busy"] = run_prefetch(eng, keys, 1, busy=True, cap_s=args.file_cap_s)
+    finally:
+        if not args.storage_dir:
+            shutil.rmtree(store, ignore_errors=True)
+    head = out["sweep"][args.workers[-1]]
+    out["ratios"] = {
+        "mp_busy_over_idle": head["mp_busy"]["gbps"] / head["mp_idle"]["gbps"],
+        "mp_over_raw_ceiling": head["mp_idle"]["gbps"] / head["raw"]["gbps"],
+        "mp_busy_over_raw_ceiling": head["mp_busy"]["gbps"] / head["raw"]["gbps"],
+        "loop_rate_during_mp_over_idle": head["mp_busy"]["loop_rate"] / out["loop_rate_idle"],
+        "file_busy_over_idle": out["file_busy"]["gbps"] / out["file_idle"]["gbps"],
+        "mp_busy_over_file_busy": head["mp_busy"]["gbps"] / out["file_busy"]["gbps"],
+        "poll_median_us": head["poll"]["median_us"],
+    }
+    print_report(out, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2, default=str)
+        log(f"wrote {args.json}")
+    return out
+
+
+def print_report(out, args) -> None:
+    pb = out["page_bytes"] / 2**20
+    print(f"\n== prefetch, {out['pages']} pages of {pb:.2f} MiB x {out['rounds']} rounds, page cache warm, "
+          f"{out['cpus']} CPUs ==")
+    print(f"{'workers':>7} {'raw GB/s':>9} {'mp idle':>8} {'mp busy':>8} {'mp/raw':>7} {'busy/idle':>9} "
+          f"{'poll med µs':>11}")
+    for w, r in out["sweep"].items():
+        print(f"{w:>7} {r['raw']['gbps']:>9.2f} {r['mp_idle']['gbps']:>8.2f} {r['mp_busy']['gbps']:>8.2f} "
+              f"{r['mp_idle']['gbps'] / r['raw']['gbps']:>7.2f} {r['mp_busy']['gbps'] / r['mp_idle']['gbps']:>9.2f} "
+              f"{r['poll']['median_us']:>11.1f}")
+    fi, fb = out["file_idle"], out["file_busy"]
+    print(f"file baseline (1 thread): idle {fi['gbps']:.2f} GB/s, busy {fb['gbps']:.3f} GB/s"
+          f"{' (capped)' if fb['capped'] else ''}")
+    print(f"scheduler loop: idle {out['loop_rate_idle']:.0f} it/s, during mp prefetch "
+          f"{out['sweep'][args.workers[-1]]['mp_busy']['loop_rate']:.0f} it/s")
+    r = out["ratios"]
+    print("\nratio                                   measured   target")
+    print(f"mp busy / mp idle GB/s                  {r['mp_busy_over_idle']:>8.2f}   >= 0.95")
+    print(f"mp idle / raw preadv ceiling            {r['mp_over_raw_ceiling']:>8.2f}   >= 0.90")
+    print(f"loop rate during mp / idle loop rate    {r['loop_rate_during_mp_over_idle']:>8.2f}   >= 0.95")
+    print(f"poll() median, 24 ops in flight (µs)    {r['poll_median_us']:>8.1f}   <= 50")
+    print(f"file busy / file idle GB/s              {r['file_busy_over_idle']:>8.3f}   (the pathology)")
+    print(f"mp busy / file busy GB/s                {r['mp_busy_over_file_busy']:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()
