@@ -123,7 +123,8 @@ class PrefetchEngine(EngineCore):
             return 0
         n = 0
         for handle in self.pool.workers:
-            n += self._drain_ring(handle.completion)
+            if handle.completion.pending():  # most polls find nothing: keep them to a load each
+                n += self._drain_ring(handle.completion)
         if time.monotonic() - self._last_health > HEALTH_CHECK_S:
             self._last_health = time.monotonic()
             self._replace_dead()

@@ -76,6 +76,11 @@ class Ring:
     def depth(self) -> int:
         return self._ctr[_TAIL] - self._ctr[_HEAD]
 
+    def pending(self) -> bool:
+        """Records are waiting: the consumer's cheap check before `pop`."""
+        ctr = self._ctr
+        return ctr[_TAIL] != ctr[_HEAD]
+
     def free(self) -> int:
         return self.capacity - self.depth()
 
