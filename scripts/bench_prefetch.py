@@ -56,12 +56,18 @@ def _scheduler_step(engine) -> None:
     return acc
 
 
-def idle_loop_rate(engine, seconds: float) -> float:
-    """The same loop, polling the same engine, with nothing in flight."""
+def idle_loop_rate(engine, seconds: float, ops) -> float:
+    """The busy loop of run_prefetch, step for step, with nothing in flight.
+
+    `ops` are finished ops, so the loop's own "all done?" check costs the same.
+    """
     n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
+    deadline = t0 + seconds
+    while not all(op.done and op.num_pages < 0 for op in ops):
         _scheduler_step(engine)
         n += 1
+        if time.perf_counter() > deadline:
+            break
     return n / (time.perf_counter() - t0)
 
 
@@ -101,12 +107,13 @@ def run_prefetch(engine, keys, rounds: int, busy: bool, cap_s: float) -> dict:
         landed += sum(op.completed_pages for op in ops)
     elapsed = time.perf_counter() - t0 if not capped else cap_s
     return {"gbps": landed * page_bytes / elapsed / 1e9, "seconds": elapsed, "pages": landed,
-            "loop_rate": iters / elapsed if busy else None, "capped": capped}
+            "loop_rate": iters / elapsed if busy else None, "capped": capped, "ops": ops}
 
 
 def _median_run(runs: list) -> dict:
     runs = sorted(runs, key=lambda r: r["gbps"])
     mid = dict(runs[len(runs) // 2])
+    mid.pop("ops", None)
     mid["all_gbps"] = [r["gbps"] for r in runs]
     return mid
 
@@ -267,8 +274,8 @@ def main(argv=None) -> dict:
                 log(f"mp with {w} workers: idle and busy scheduler, interleaved x{args.repeats}")
                 loop_idle, idles, busys = [], [], []
                 for _ in range(args.repeats):  # interleaved, so drift hits both sides alike
-                    loop_idle.append(idle_loop_rate(eng, 0.5))
                     idles.append(run_prefetch(eng, keys, args.rounds, busy=False, cap_s=600))
+                    loop_idle.append(idle_loop_rate(eng, 0.5, idles[-1]["ops"]))
                     busys.append(run_prefetch(eng, keys, args.rounds, busy=True, cap_s=600))
                 idle, busy = _median_run(idles), _median_run(busys)
                 pc = poll_cost(eng, keys)
@@ -284,6 +291,7 @@ def main(argv=None) -> dict:
             out["file_idle"] = run_prefetch(eng, keys, 1, busy=False, cap_s=args.file_cap_s)
             log("file baseline: busy scheduler")
             out["file_busy"] = run_prefetch(eng, keys, 1, busy=True, cap_s=args.file_cap_s)
+            out["file_idle"].pop("ops"), out["file_busy"].pop("ops")
     finally:
         if not args.storage_dir:
             shutil.rmtree(store, ignore_errors=True)

@@ -2,7 +2,11 @@
 
 Every test is checked for leftover `hicache_mp.*` entries in /dev/shm and for
 live `hicache_mp-worker` processes, after a short grace period for exits.
+Entries and workers that belong to another live process tree (another test
+session on the same machine) are not ours and are ignored; anything whose
+owner is this process, one of its descendants, or dead, is ours.
 """
+import json
 import os
 import sys
 import tempfile
@@ -13,18 +17,35 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shm.names import list_ours  # noqa: E402
+from shm.names import list_ours, owner_pid  # noqa: E402
+
+
+def _ours(pid) -> bool:
+    """Owned by this test process (or a descendant), or by nobody alive."""
+    if pid is None or pid == os.getpid() or not psutil.pid_exists(pid):
+        return True
+    try:
+        return any(p.pid == os.getpid() for p in psutil.Process(pid).parents())
+    except psutil.Error:
+        return True
 
 
 def worker_pids() -> set[int]:
     pids = set()
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if any("hicache_mp-worker" in part for part in (p.info["cmdline"] or [])):
-                pids.add(p.pid)
-        except (psutil.Error, TypeError):
+            cmd = p.info["cmdline"] or []
+            if len(cmd) > 3 and cmd[3].startswith("hicache_mp-worker"):
+                parent = json.loads(cmd[4]).get("parent_pid") if len(cmd) > 4 else None
+                if _ours(parent):
+                    pids.add(p.pid)
+        except (psutil.Error, TypeError, ValueError):
             pass
     return pids
+
+
+def shm_entries() -> set[str]:
+    return {n for n in list_ours() if _ours(owner_pid(n))}
 
 
 def _settle(check, timeout_s=3.0):
@@ -38,10 +59,10 @@ def _settle(check, timeout_s=3.0):
 
 @pytest.fixture(autouse=True)
 def nothing_left_behind():
-    shm_before = set(list_ours())
+    shm_before = shm_entries()
     procs_before = worker_pids()
     yield
-    shm_left = _settle(lambda: set(list_ours()) - shm_before)
+    shm_left = _settle(lambda: shm_entries() - shm_before)
     procs_left = _settle(lambda: worker_pids() - procs_before)
     assert not shm_left, f"test left shared memory behind: {sorted(shm_left)}"
     assert not procs_left, f"test left worker processes behind: {sorted(procs_left)}"

@@ -85,6 +85,8 @@ def _fmt(v, digits=2):
         return "-"
     if isinstance(v, int):
         return str(v)
+    if v and abs(v) < 0.1:
+        return f"{v:.2g}"  # a starved rate (0.004 GB/s) must not print as 0.00
     return f"{v:.{digits}f}"
 
 

@@ -1,0 +1,210 @@
+"""The `hicache-mp` command line. Subcommand `bench`: the long-context workload, per backend.
+
+Owns argv parsing, progress and result printing, and writing `--json` /
+`--plot` files. Must not hold benchmark logic: `hicache_mp.sim.bench` runs it.
+
+`hicache-mp bench` warms one page store, then runs the reference scheduler
+(a busy Python loop modelled on SGLang's) over it once per backend:
+`none` (all KV already in host memory: the ideal), `file` (SGLang-style
+in-process reader thread), `file+yield` (the same with the user's
+`sleep(0.001)` workaround) and `mp` (this engine). It prints SGLang's
+bench_long_context summary per run, then a table with ratios against `none`.
+
+JSON written by `--json PATH` (schema "hicache_mp.bench/1"; times in
+seconds, rates in GB/s = 1e9 bytes/s, lengths in tokens):
+
+    schema        "hicache_mp.bench/1"
+    created       local time, ISO 8601
+    command       argv of this invocation
+    config        runs, num_requests, seed, quick, prompt_scale (1.0 full,
+                  0.1 --quick), time_scale (every duration: 1.0 full, 0.2
+                  --quick), page_size, layout, dtype,
+                  workers (0 = auto), policy, timeout_s, yield_ms,
+                  storage_dir, host_pool_pages, verify, max_run_s,
+                  geometry {num_layers, num_kv_heads, head_dim, page_size,
+                  dtype, layout, mla}, page_bytes, max_in_flight,
+                  arrival_scale, compute {prefill_tokens_per_s,
+                  chunk_tokens, decode_s_per_token, time_scale}
+    machine       platform, python, cpus_physical, cpus_logical, ram_bytes
+    workload      num_requests, prompt_len_{mean,p90,p99},
+                  output_len_{mean,p90,p99}, hit_rate (what was generated)
+    warmup        pages_written, pages_present, bytes, seconds, gbps
+    runs.<label>  one per run; label is none | file | file+yield | mp
+      backend, policy, yield_ms, duration_s, loop_iters
+      summary     total_requests, prompt_len_{mean,p90,p99},
+                  output_len_{mean,p90,p99},
+                  ttft_{mean,p90,p99,median,max}_s,
+                  itl_{mean,p90,p99,median,max}_s,
+                  latency_{mean,p90,p99,median,max}_s,
+                  input_token_throughput, output_token_throughput,
+                  request_throughput, cache_hit_rate (tokens actually
+                  served from the cache / prompt tokens)
+      extra       prefetch_gbps_mean, prefetch_gbps_p10 (per prefetch op:
+                  landed bytes / submit-to-done time), loop_iters_per_s,
+                  backup_gbps (mean per write-back op); null where a run
+                  moved no bytes (none)
+      prefetch    ops, pages, ok_pages, bytes, gbps_mean, gbps_p10,
+                  gbps_per_op [..], seconds_mean, statuses {ok: n, ...}
+      backup      the same fields for write-backs, plus skipped_pages
+                  (no free host slot)
+      verify      pages_checked (first prefetched page of each request,
+                  compared byte for byte with what was written), failures
+                  [rid, ...]
+      host_slots_low_water   fewest free host slots seen
+      engine      workers, read_gbps, write_gbps, read_bytes, write_bytes,
+                  worker_busy [fraction per worker], misses, poll_calls,
+                  respawns (those the backend reports)
+      requests    [{rid, prompt_len, output_len, cached_len, ttft_s,
+                  latency_s, itl_s [..]}]
+      batches     {prefill: n, decode: n}
+    comparison    baseline ("none" or null), best (label),
+                  ttft_mean_over_baseline {label: ratio},
+                  ttft_mean_over_best {label: ratio}
+
+Exit status: 0, or 1 when a prefetched page held the wrong bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+BACKEND_CHOICES = ("all", "none", "file", "mp")
+POLICIES = ("best_effort", "wait_complete", "timeout")
+LAYOUTS = ("page_first", "layer_first")
+
+
+def _bench_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "bench", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="run the long-context workload on each storage backend and compare",
+        description="Warm a page store, then run the reference scheduler (a busy Python loop "
+                    "modelled on SGLang's) on it with each storage backend, print SGLang's "
+                    "bench_long_context summary per backend and a comparison table with "
+                    "ratios against 'none' (all KV already in host memory).")
+    p.add_argument("--quick", action="store_true",
+                   help="the same workload at reduced scale, proportions kept: 4 layers x 4 KV "
+                        "heads x 64 dims (256 KiB pages), prompts and chunk size x0.1, every "
+                        "duration (prefill, decode step, release interval) x0.2; a temp store "
+                        "of ~250 MB. Finishes in well under 3 minutes on 2 CPU cores")
+    p.add_argument("--hicache-storage-backend", choices=BACKEND_CHOICES, default="all",
+                   help="'all' runs none, file, file+yield and mp one after another; a single "
+                        "name runs only that backend")
+    p.add_argument("--hicache-mp-workers", type=int, default=0, metavar="N",
+                   help="mp I/O worker processes; 0 = auto (physical cores minus one for the "
+                        "scheduler)")
+    p.add_argument("--hicache-storage-prefetch-policy", choices=POLICIES, default="wait_complete",
+                   help="when a request may stop waiting for its prefetch (SGLang's meaning)")
+    p.add_argument("--prefetch-timeout-s", type=float, default=10.0,
+                   help="deadline per prefetch under the 'timeout' policy")
+    p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
+    p.add_argument("--hicache-mem-layout", choices=LAYOUTS, default="page_first",
+                   help="host pool layout")
+    p.add_argument("--storage-dir", default=None,
+                   help="page store directory, kept afterwards (default: a temp dir, removed at "
+                        "the end). Pages already there are not written again")
+    p.add_argument("--scheduler-yield-ms", type=float, default=None, metavar="MS",
+                   help="time.sleep(MS/1000) per scheduler loop iteration, the user's workaround. "
+                        "Default: 1 ms for the file+yield run of 'all', 0 for a single backend")
+    p.add_argument("--num-requests", type=int, default=32,
+                   help="requests in the workload (fewer fit a smaller disk; full scale needs "
+                        "~2.6 GB of store per request)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--host-pool-pages", type=int, default=0,
+                   help="host pool slots per engine; 0 = auto (the hit pages of 24 requests in "
+                        "flight plus write-back room, at most 40%% of RAM / free /dev/shm)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="write every figure as JSON (schema: hicache_mp.cli docstring / README)")
+    p.add_argument("--plot", default=None, metavar="PATH.png",
+                   help="draw TTFT distributions and per-op prefetch GB/s per backend "
+                        "(needs matplotlib: pip install -e .[plot])")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the byte check of each request's first prefetched page")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hicache-mp",
+                                     description="GIL-free multiprocess KV prefetch engine tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _bench_parser(sub)
+    return parser
+
+
+def bench_config(args):
+    """BenchConfig from parsed `bench` arguments."""
+    from hicache_mp.sim.bench import ALL_RUNS, BenchConfig
+    backend = args.hicache_storage_backend
+    if backend == "all":
+        runs = ALL_RUNS
+        yield_ms = 1.0 if args.scheduler_yield_ms is None else args.scheduler_yield_ms
+    elif backend == "file" and args.scheduler_yield_ms:
+        runs, yield_ms = ("file+yield",), args.scheduler_yield_ms
+    else:
+        if args.scheduler_yield_ms:
+            raise SystemExit("--scheduler-yield-ms applies to the file backend only")
+        runs, yield_ms = (backend,), 0.0
+    if args.num_requests < 1:
+        raise SystemExit("--num-requests must be at least 1")
+    return BenchConfig(runs=tuple(runs), num_requests=args.num_requests, seed=args.seed,
+                       quick=args.quick, page_size=args.page_size, layout=args.hicache_mem_layout,
+                       workers=args.hicache_mp_workers,
+                       policy=args.hicache_storage_prefetch_policy,
+                       timeout_s=args.prefetch_timeout_s, yield_ms=yield_ms,
+                       storage_dir=args.storage_dir, host_pool_pages=args.host_pool_pages,
+                       verify=not args.no_verify)
+
+
+def cmd_bench(args, argv=None) -> int:
+    from hicache_mp.sim.bench import Bench, table_rows
+    from hicache_mp.sim.summary import format_comparison, format_summary
+
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("--plot needs matplotlib: pip install -e .[plot]  (or: pip install matplotlib)",
+                  file=sys.stderr)
+            return 2
+    bench = Bench(bench_config(args))
+
+    def show(label, res, figs):
+        print(format_summary(label, figs["summary"], figs["extra"]), flush=True)
+        if figs["verify"]["failures"]:
+            print(f"[{label}] WRONG BYTES in the first prefetched page of requests "
+                  f"{figs['verify']['failures']}", flush=True)
+
+    report = bench.run(on_result=show)
+    report["command"] = ["hicache-mp", "bench"] + list(argv or [])
+    rows = table_rows(report["runs"])
+    base = "none" if "none" in rows else next(iter(rows))
+    print(f"\nComparison (TTFT/base: mean TTFT over '{base}')")
+    print(format_comparison(rows, baseline=base), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        from hicache_mp.sim.plot import plot_report
+        plot_report(report, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    bad = any(r["verify"]["failures"] for r in report["runs"].values())
+    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args, argv[1:])
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except ValueError as exc:
+        print(f"hicache-mp: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

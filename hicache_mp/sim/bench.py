@@ -1,0 +1,345 @@
+"""`hicache-mp bench`: a warm store, then the reference scheduler once per backend on it.
+
+Owns the bench configuration (full scale and `--quick`), host-pool sizing,
+the warm-up pass, one measured run per backend (`none`, `file`, `file` with
+the yield workaround, `mp`) on the same store, and the figures of each run
+(the dicts that the CLI prints and writes as JSON). Must not parse argv
+(`hicache_mp.cli`), run the loop (`scheduler`) or format text (`summary`).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import secrets
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from hicache_mp import EngineConfig, PageGeometry, make_engine
+from workers import naming
+
+from .instant import InstantStore
+from .pagebytes import PageBytes
+from .scheduler import RunResult, Scheduler, SchedulerConfig
+from .summary import summarize
+from .workload import (CHUNK_TOKENS, DECODE_S_PER_TOKEN, MAX_IN_FLIGHT, PREFILL_TOKENS_PER_S,
+                       ComputeModel, describe, make_workload)
+
+FULL_GEOMETRY = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128}   # Llama-3.1-8B
+QUICK_GEOMETRY = {"num_layers": 4, "num_kv_heads": 4, "head_dim": 64}    # 256 KiB per 64-token page
+# --quick: prompts (so pages) x0.1, every duration x0.2. The stock `file` run
+# costs a fixed ~10-80 ms of GIL hand-offs per page whatever its size, so the
+# page count, not the bytes, bounds the quick run's length on 2 cores.
+QUICK_PROMPT_SCALE = 0.1
+QUICK_TIME_SCALE = 0.2
+ALL_RUNS = ("none", "file", "file+yield", "mp")
+SCHEMA = "hicache_mp.bench/1"
+POOL_RAM_SHARE = 0.4       # most of the host pool a run may take of free shm / RAM
+WARMUP_BATCH_BYTES = 2 << 30
+
+
+@dataclass
+class BenchConfig:
+    runs: tuple = ALL_RUNS          # labels: none | file | file+yield | mp
+    num_requests: int = 32
+    seed: int = 0
+    quick: bool = False
+    page_size: int = 64
+    layout: str = "page_first"
+    dtype: str = "bfloat16"
+    workers: int = 0                # 0: auto (physical cores minus one for the scheduler)
+    policy: str = "wait_complete"
+    timeout_s: float = 10.0
+    yield_ms: float = 1.0           # the file+yield run's sleep per loop iteration
+    storage_dir: str | None = None  # None: a temp dir, removed at the end
+    host_pool_pages: int = 0        # 0: auto
+    verify: bool = True
+    max_run_s: float = 3600.0
+    geometry: dict = field(default_factory=dict)   # overrides (tests)
+    prompt_scale: float | None = None   # None: 1.0, or QUICK_PROMPT_SCALE with --quick
+    time_scale: float | None = None     # None: 1.0, or QUICK_TIME_SCALE with --quick
+
+    @property
+    def scales(self) -> tuple[float, float]:
+        """(prompt scale, time scale) in effect."""
+        p = self.prompt_scale if self.prompt_scale is not None else (
+            QUICK_PROMPT_SCALE if self.quick else 1.0)
+        t = self.time_scale if self.time_scale is not None else (
+            QUICK_TIME_SCALE if self.quick else 1.0)
+        return p, t
+
+
+def run_spec(label: str, yield_ms: float) -> tuple[str, float]:
+    """(storage backend, yield ms) of a run label."""
+    if label == "file+yield":
+        return "file", yield_ms
+    if label not in ("none", "file", "mp"):
+        raise ValueError(f"unknown run {label!r}; choose from {ALL_RUNS}")
+    return label, 0.0
+
+
+class Bench:
+    def __init__(self, cfg: BenchConfig, log=None):
+        self.cfg = cfg
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        s, ts = cfg.scales
+        geo = {**(QUICK_GEOMETRY if cfg.quick else FULL_GEOMETRY), **cfg.geometry}
+        self.geometry = PageGeometry(page_size=cfg.page_size, dtype=cfg.dtype,
+                                     layout=cfg.layout, **geo)
+        self.requests = make_workload(cfg.num_requests, seed=cfg.seed, scale=s,
+                                      page_size=cfg.page_size)
+        # Chunks shrink with the prompts; every duration (prefill of a chunk, a
+        # decode step, the release interval) shrinks by `ts`.
+        self.compute = ComputeModel(prefill_tokens_per_s=PREFILL_TOKENS_PER_S * s / ts,
+                                    chunk_tokens=max(cfg.page_size, round(CHUNK_TOKENS * s)),
+                                    decode_s_per_token=DECODE_S_PER_TOKEN * ts)
+        self.arrival_scale = ts
+        self.pool_pages = cfg.host_pool_pages or self._auto_pool_pages()
+        self._check_pool()
+        self.nonce = secrets.token_hex(4)
+        self.pagebytes = PageBytes(self.geometry, seed=cfg.seed)
+
+    # --- sizing ---------------------------------------------------------------
+    def _cached_pages(self) -> list[int]:
+        return [r.cached_len // self.cfg.page_size for r in self.requests]
+
+    def _headroom_pages(self) -> int:
+        # Write-back of a few chunks in flight at once.
+        return 4 * -(-self.compute.chunk_tokens // self.cfg.page_size)
+
+    def _auto_pool_pages(self) -> int:
+        """Room for the hit pages of `max_in_flight` requests at once, capped by memory."""
+        biggest = sorted(self._cached_pages(), reverse=True)[:MAX_IN_FLIGHT]
+        want = sum(biggest) + self._headroom_pages()
+        return max(min(want, self._memory_cap_pages()), 1)
+
+    def _memory_cap_pages(self) -> int:
+        import psutil
+        free = psutil.virtual_memory().total
+        try:
+            free = min(free, shutil.disk_usage("/dev/shm").free)
+        except OSError:
+            pass
+        return int(free * POOL_RAM_SHARE) // self.geometry.page_bytes
+
+    def _check_pool(self) -> None:
+        need = max(self._cached_pages()) + self._headroom_pages()
+        if self.pool_pages < need:
+            raise ValueError(
+                f"host pool of {self.pool_pages} pages cannot hold the largest request "
+                f"({need} pages with write-back room); give more memory or fewer/smaller "
+                f"requests (--num-requests, --host-pool-pages)")
+
+    def store_bytes(self) -> int:
+        """Disk the warm store plus one run's write-backs take (headers included)."""
+        ps = self.cfg.page_size
+        cached = sum(self._cached_pages())
+        computed = sum(r.prompt_len // ps - r.cached_len // ps for r in self.requests)
+        return (cached + computed) * (self.geometry.page_bytes + 4096)
+
+    # --- the whole bench ------------------------------------------------------
+    def run(self, on_result=None) -> dict:
+        """Warm the store, run every configured backend; the JSON-ready report."""
+        cfg = self.cfg
+        tmp = cfg.storage_dir is None
+        store = cfg.storage_dir or _tempdir()
+        try:
+            self._check_disk(store)
+            report = self._header(store)
+            report["warmup"] = self.warm_up(store)
+            for label in cfg.runs:
+                res = self.run_backend(label, store)
+                figs = figures(res, self.cfg.page_size)
+                report["runs"][label] = figs
+                if on_result:
+                    on_result(label, res, figs)
+            report["comparison"] = comparison(report["runs"])
+            return report
+        finally:
+            if tmp:
+                shutil.rmtree(store, ignore_errors=True)
+
+    def _check_disk(self, store: str) -> None:
+        os.makedirs(store, mode=0o700, exist_ok=True)
+        need, free = self.store_bytes(), shutil.disk_usage(store).free
+        if need > free:
+            per_req = need / len(self.requests)
+            fit = int(free * 0.95 / per_req)
+            raise ValueError(f"the store needs ~{need / 1e9:.1f} GB but {store} has "
+                             f"{free / 1e9:.1f} GB free; try --num-requests {fit}")
+
+    def _header(self, store: str) -> dict:
+        import psutil
+        cfg = self.cfg
+        return {
+            "schema": SCHEMA,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "config": {
+                **{k: v for k, v in asdict(cfg).items()
+                   if k not in ("geometry", "prompt_scale", "time_scale")},
+                "runs": list(cfg.runs), "storage_dir": store,
+                "prompt_scale": cfg.scales[0], "time_scale": cfg.scales[1],
+                "geometry": self.geometry.to_dict(),
+                "page_bytes": self.geometry.page_bytes, "host_pool_pages": self.pool_pages,
+                "max_in_flight": MAX_IN_FLIGHT, "arrival_scale": self.arrival_scale,
+                "compute": asdict(self.compute),
+            },
+            "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                        "cpus_physical": psutil.cpu_count(logical=False),
+                        "cpus_logical": psutil.cpu_count(),
+                        "ram_bytes": psutil.virtual_memory().total},
+            "workload": describe(self.requests),
+            "runs": {},
+        }
+
+    def warm_up(self, store: str) -> dict:
+        """Write every request's cached prefix pages with the mp engine (skipping present ones)."""
+        g = self.geometry
+        batch = max(1, min(self.pool_pages, WARMUP_BATCH_BYTES // g.page_bytes))
+        t0 = time.perf_counter()
+        written = present = 0
+        with make_engine("mp", EngineConfig(storage_dir=store, num_workers=self.cfg.workers,
+                                            host_pool_pages=batch), g) as eng:
+            todo = []
+            for r in self.requests:
+                keys = r.page_keys(self.cfg.page_size)
+                have = eng.exists(keys)
+                present += have
+                todo.extend(keys[have:])
+            for i in range(0, len(todo), batch):
+                keys = todo[i:i + batch]
+                slots = list(range(len(keys)))
+                for slot, key in zip(slots, keys):
+                    self.pagebytes.fill(eng.host_pool, slot, key)
+                op = eng.backup(keys, slots)
+                if not eng.wait(op, 600.0) or op.status != "ok":
+                    raise RuntimeError(f"warm-up write failed: {op.status} {op.status_counts()}")
+                written += len(keys)
+            workers = eng.metrics()["workers"]
+        secs = time.perf_counter() - t0
+        nbytes = written * g.page_bytes
+        self.log(f"warm-up: wrote {written} pages ({nbytes / 1e6:.0f} MB) in {secs:.1f} s "
+                 f"with {workers} mp workers; {present} already in the store")
+        return {"pages_written": written, "pages_present": present, "bytes": nbytes,
+                "seconds": secs, "gbps": nbytes / secs / 1e9 if secs and written else None}
+
+    def run_backend(self, label: str, store: str) -> RunResult:
+        cfg = self.cfg
+        backend, yield_ms = run_spec(label, cfg.yield_ms)
+        if backend == "none":
+            keys = [k for r in self.requests for k in r.page_keys(cfg.page_size)]
+            engine = InstantStore(keys, self.geometry.page_bytes)
+        else:
+            engine = make_engine(backend, EngineConfig(
+                storage_dir=store, num_workers=cfg.workers, host_pool_pages=self.pool_pages,
+                prefetch_policy=cfg.policy, prefetch_timeout_s=cfg.timeout_s), self.geometry)
+        try:
+            extra = f", {engine.metrics()['workers']} workers" if backend == "mp" else ""
+            self.log(f"[{label}] running {len(self.requests)} requests "
+                     f"(policy {cfg.policy}{', yield %g ms' % yield_ms if yield_ms else ''}{extra})")
+            sched = Scheduler(label, engine, self.requests, SchedulerConfig(
+                page_size=cfg.page_size, compute=self.compute, max_in_flight=MAX_IN_FLIGHT,
+                arrival_scale=self.arrival_scale, policy=cfg.policy, timeout_s=cfg.timeout_s,
+                yield_ms=yield_ms, host_slots=self.pool_pages,
+                key_salt=f"{self.nonce}.{label}:", verify=cfg.verify,
+                page_bytes_gen=self.pagebytes, max_run_s=cfg.max_run_s,
+                progress=lambda done, total, t: self.log(
+                    f"[{label}] {done}/{total} requests done at {t:.1f} s")))
+            return sched.run()
+        finally:
+            namespace = getattr(engine, "namespace", None)
+            engine.close()
+            if namespace is not None:
+                self._drop_write_backs(store, namespace, label)
+
+    def _drop_write_backs(self, store: str, namespace: str, label: str) -> None:
+        """Remove a run's write-backs: keyed by this run alone, nothing reads them
+        again, and keeping them would grow the store by every run's share."""
+        salt = f"{self.nonce}.{label}:"
+        for r in self.requests:
+            for key in r.computed_page_keys(self.cfg.page_size):
+                try:
+                    os.unlink(naming.page_path(store, naming.key_digest(salt + key, namespace)))
+                except FileNotFoundError:
+                    pass
+
+
+# --- figures -------------------------------------------------------------------
+def _mean(values):
+    return float(np.mean(values)) if len(values) else None
+
+
+def op_stats(records) -> dict:
+    rates = [r.gbps for r in records if r.gbps is not None and r.ok_pages]
+    statuses: dict[str, int] = {}
+    for r in records:
+        statuses[r.status] = statuses.get(r.status, 0) + 1
+    return {
+        "ops": len(records),
+        "pages": int(sum(r.pages for r in records)),
+        "ok_pages": int(sum(r.ok_pages for r in records)),
+        "bytes": int(sum(r.nbytes for r in records)),
+        "gbps_mean": _mean(rates),
+        "gbps_p10": float(np.percentile(rates, 10)) if rates else None,
+        "gbps_per_op": [round(x, 4) for x in rates],
+        "seconds_mean": _mean([(r.done_ns - r.submit_ns) / 1e9 for r in records]),
+        "statuses": statuses,
+    }
+
+
+def figures(res: RunResult, page_size: int) -> dict:
+    """Every figure of one run (one entry of the report's `runs`)."""
+    summary = summarize(res.requests, res.duration_s)
+    prefetch, backup = op_stats(res.prefetch), op_stats(res.backups)
+    m = res.engine_metrics
+    extra = {
+        "prefetch_gbps_mean": prefetch["gbps_mean"],
+        "prefetch_gbps_p10": prefetch["gbps_p10"],
+        "loop_iters_per_s": res.loop_iters / res.duration_s if res.duration_s else None,
+        "backup_gbps": backup["gbps_mean"],
+    }
+    return {
+        "backend": res.backend, "policy": res.policy, "yield_ms": res.yield_ms,
+        "duration_s": res.duration_s, "loop_iters": res.loop_iters,
+        "summary": summary, "extra": extra,
+        "prefetch": prefetch, "backup": {**backup, "skipped_pages": res.backup_skipped_pages},
+        "verify": {"pages_checked": res.verified_pages + len(res.verify_failures),
+                   "failures": res.verify_failures},
+        "host_slots_low_water": res.slots_low_water,
+        "engine": {k: m.get(k) for k in ("workers", "read_gbps", "write_gbps", "read_bytes",
+                                         "write_bytes", "worker_busy", "misses", "poll_calls",
+                                         "respawns") if k in m},
+        "requests": [
+            {"rid": r.rid, "prompt_len": r.prompt_len, "output_len": r.output_len,
+             "cached_len": r.cached_len, "ttft_s": r.ttft_s, "latency_s": r.latency_s,
+             "itl_s": r.itl_s}
+            for r in res.requests],
+        "batches": {"prefill": sum(1 for b in res.batches if b[0] == "prefill"),
+                    "decode": sum(1 for b in res.batches if b[0] == "decode")},
+    }
+
+
+def comparison(runs: dict) -> dict:
+    """Mean TTFT of each run over the ideal (`none`) and over the best run."""
+    base = runs.get("none", {}).get("summary", {}).get("ttft_mean_s")
+    means = {k: v["summary"]["ttft_mean_s"] for k, v in runs.items()}
+    best = min(means.values()) if means else None
+    return {
+        "baseline": "none" if base else None,
+        "best": min(means, key=means.get) if means else None,
+        "ttft_mean_over_baseline": {k: (t / base if base else None) for k, t in means.items()},
+        "ttft_mean_over_best": {k: (t / best if best else None) for k, t in means.items()},
+    }
+
+
+def table_rows(runs: dict) -> dict:
+    """What `format_comparison` takes: each run's summary merged with its extras."""
+    return {k: {**v["summary"], **v["extra"]} for k, v in runs.items()}
+
+
+def _tempdir() -> str:
+    import tempfile
+    return tempfile.mkdtemp(prefix="hicache_mp-bench-")

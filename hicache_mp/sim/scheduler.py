@@ -1,0 +1,374 @@
+"""The reference scheduler: one Python loop modelled on SGLang's, over one storage backend.
+
+Owns the loop and its bookkeeping: request states, host slots, prefetch
+policy checks, chunked prefill and decode charged by the `ComputeModel`,
+write-back of computed pages, and the raw measurements (`RunResult`). Must
+not do page I/O (the engine does) nor format output (`summary`, `bench`).
+
+Every iteration, as SGLang's `event_loop_normal` with HiCache storage:
+  1. release requests whose arrival time has passed, FIFO, while fewer than
+     `max_in_flight` are in the system (the client's concurrency cap);
+  2. look each new request up (`engine.exists` over its prompt's page chain),
+     take host slots for the hit pages and start their prefetch (returns at once);
+  3. `engine.poll()`, then check every running prefetch under the policy:
+     wait_complete waits for `done`; timeout also gives up at the deadline
+     (cancel, keep the pages that landed); best_effort runs until the request
+     is scheduled, and is cut short then;
+  4. give back the slots of ops that are done and whose pages were consumed;
+  5. the "GPU": if the charged batch has ended, finish it (first tokens,
+     decode tokens, write-back of newly full pages through `backup`); if it is
+     idle, start the next batch, a chunked prefill of ready requests (FIFO,
+     `chunk_tokens` budget) before a decode step of running requests;
+  6. with `yield_ms` sleep (the user's `sleep(0.001)` workaround); otherwise
+     go round again at once. The loop never blocks while work is pending: it
+     holds the GIL the whole time, as SGLang's scheduler does.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .slots import HostSlots
+from .summary import RequestResult
+from .workload import ComputeModel, Request
+
+
+@dataclass
+class SchedulerConfig:
+    page_size: int = 64
+    compute: ComputeModel = field(default_factory=ComputeModel)
+    max_in_flight: int = 24
+    arrival_scale: float = 1.0       # quick runs compress the release schedule too
+    policy: str = "wait_complete"
+    timeout_s: float = 10.0          # for the timeout policy
+    yield_ms: float = 0.0
+    host_slots: int = 0              # 0: the engine's pool size
+    key_salt: str = ""               # salts write-back keys, so runs never hit each other's pages
+    verify: bool = True              # check the first prefetched page of each request
+    page_bytes_gen: object = None    # PageBytes: stamps write-back slots, checks prefetched ones
+    progress: Callable | None = None  # progress(done, total, elapsed_s)
+    progress_every: int = 8
+    max_run_s: float | None = None   # a stuck run raises instead of spinning for ever
+
+
+@dataclass
+class OpRecord:
+    rid: int
+    kind: str
+    pages: int
+    ok_pages: int
+    nbytes: int
+    status: str
+    submit_ns: int
+    first_ns: int
+    done_ns: int
+    seen_ns: int                     # when the scheduler acted on it (0: never needed to)
+    io_ns: int
+    gbps: float | None
+    landed_ns: np.ndarray
+    worker_of: np.ndarray | None
+
+
+@dataclass
+class Batch:
+    kind: str                        # prefill | decode
+    start_s: float
+    end_s: float
+    items: list                      # [(req, tokens)]
+    finished_some: bool = False      # finishing it finished some request
+
+
+@dataclass
+class RunResult:
+    name: str
+    backend: str
+    policy: str
+    yield_ms: float
+    t0_ns: int
+    duration_s: float
+    loop_iters: int
+    requests: list[RequestResult]
+    hit_tokens: list[int]
+    prefetch: list[OpRecord]
+    backups: list[OpRecord]
+    batches: list[tuple]             # (kind, start_s, end_s, tokens, requests)
+    verified_pages: int
+    verify_failures: list[int]       # rids whose first page held wrong bytes
+    backup_skipped_pages: int
+    slots_low_water: int
+    engine_metrics: dict
+
+
+class _Req:
+    __slots__ = ("r", "keys", "wb_keys", "admit_s", "op", "slots", "hit_pages", "done_tokens",
+                 "token_s", "seen_ns")
+
+    def __init__(self, r: Request, page_size: int, salt: str, admit_s: float):
+        self.r = r
+        self.keys = r.page_keys(page_size)
+        self.wb_keys = [salt + k for k in r.computed_page_keys(page_size)]
+        self.admit_s = admit_s
+        self.op = None
+        self.slots = None
+        self.hit_pages = 0
+        self.done_tokens = 0         # prompt tokens whose KV exists (hit + prefilled)
+        self.token_s: list[float] = []
+        self.seen_ns = 0
+
+
+class Scheduler:
+    def __init__(self, name: str, engine, requests: list[Request], config: SchedulerConfig):
+        self.name = name
+        self.engine = engine
+        self.requests = sorted(requests, key=lambda r: (r.arrival_s, r.rid))
+        self.cfg = config
+        pool = getattr(engine, "host_pool", None)
+        self.pool = pool
+        self.slots = HostSlots(config.host_slots or (pool.num_pages if pool else 1 << 16))
+
+    # --- the loop -------------------------------------------------------------
+    def run(self) -> RunResult:
+        cfg, eng, ps = self.cfg, self.engine, self.cfg.page_size
+        pending = deque(self.requests)
+        lookup: deque[_Req] = deque()
+        self.prefetching: list[_Req] = []
+        self.ready: list[_Req] = []      # prefetch settled, prompt not fully prefilled (FIFO)
+        self.running: list[_Req] = []    # decoding
+        self.finished: list[_Req] = []
+        self.consumed: list[tuple] = []  # (op, slots, rid, seen_ns): slots back once op is done
+        self.backups: list[tuple] = []   # (rid, op, slots)
+        self.done_prefetch: list[tuple] = []
+        self.done_backup: list[tuple] = []
+        self.batches: list[tuple] = []
+        self.verified, self.verify_failures, self.backup_skipped = 0, [], 0
+        total = len(self.requests)
+        batch: Batch | None = None
+        yield_s = cfg.yield_ms / 1000.0
+        iters = reported = 0
+        t0 = time.perf_counter_ns()
+        now_s = 0.0
+        while len(self.finished) < total:
+            iters += 1
+            now_ns = time.perf_counter_ns()
+            now_s = (now_ns - t0) / 1e9
+            if cfg.max_run_s and now_s > cfg.max_run_s:
+                raise RuntimeError(f"{self.name}: run exceeded {cfg.max_run_s:.0f} s with "
+                                   f"{len(self.finished)}/{total} requests done")
+            # 1. release
+            in_system = total - len(pending) - len(self.finished)
+            while pending and in_system < cfg.max_in_flight and \
+                    pending[0].arrival_s * cfg.arrival_scale <= now_s:
+                lookup.append(_Req(pending.popleft(), ps, cfg.key_salt, now_s))
+                in_system += 1
+            # 2. lookup and prefetch start; FIFO, so a request short of slots holds the line
+            while lookup:
+                q = lookup[0]
+                hit = eng.exists(q.keys + q.wb_keys)
+                slots = self.slots.alloc(hit) if hit else []
+                if slots is None:
+                    break
+                lookup.popleft()
+                q.slots = slots
+                if hit:
+                    q.op = eng.prefetch(q.keys[:hit], slots, policy=cfg.policy,
+                                        timeout_s=cfg.timeout_s)
+                    self.prefetching.append(q)
+                else:
+                    self.ready.append(q)
+            # 3. progress, every step
+            eng.poll()
+            if self.prefetching:
+                self._check_prefetches(now_ns)
+            # 4. slots back
+            if self.consumed:
+                self._retire_prefetches()
+            if self.backups:
+                self._retire_backups()
+            # 5. the GPU
+            if batch is not None and now_s >= batch.end_s:
+                self._finish(batch, now_s)
+                n = len(self.finished)
+                if cfg.progress and batch.finished_some and (
+                        n // cfg.progress_every > reported // cfg.progress_every or n == total):
+                    reported = n
+                    cfg.progress(n, total, now_s)
+                batch = None
+            if batch is None:
+                batch = self._next_batch(now_s, now_ns)
+            # 6. the workaround
+            if yield_s:
+                time.sleep(yield_s)
+        duration_s = now_s
+        # Write-backs (and cancelled reads) still in flight are not part of the
+        # measured run, but their slots and rates are: let them land.
+        for rid, op, slots in self.backups:
+            if not op.done:
+                eng.wait(op, 60.0)
+            self.slots.release(slots)
+            self.done_backup.append((rid, op, 0))
+        for op, slots, rid, seen in self.consumed:
+            if not op.done:
+                eng.wait(op, 60.0)
+            self.slots.release(slots)
+            self.done_prefetch.append((rid, op, seen))
+        metrics = eng.metrics()
+        finished = sorted(self.finished, key=lambda q: q.r.rid)
+        return RunResult(
+            name=self.name, backend=getattr(eng, "backend", "?"), policy=cfg.policy,
+            yield_ms=cfg.yield_ms, t0_ns=t0, duration_s=duration_s, loop_iters=iters,
+            requests=[self._result(q) for q in finished],
+            hit_tokens=[q.hit_pages * ps for q in finished],
+            prefetch=sorted((_record(rid, op, seen) for rid, op, seen in self.done_prefetch),
+                            key=lambda o: o.submit_ns),
+            backups=sorted((_record(rid, op, seen) for rid, op, seen in self.done_backup),
+                           key=lambda o: o.submit_ns),
+            batches=self.batches, verified_pages=self.verified,
+            verify_failures=self.verify_failures, backup_skipped_pages=self.backup_skipped,
+            slots_low_water=self.slots.low_water, engine_metrics=metrics)
+
+    # --- steps ----------------------------------------------------------------
+    def _check_prefetches(self, now_ns: int) -> None:
+        still = []
+        for q in self.prefetching:
+            op = q.op
+            if op.done or (self.cfg.policy == "timeout" and op.ready(now_ns)):
+                self._settle(q, now_ns)
+                self.ready.append(q)
+            else:
+                still.append(q)
+        if len(still) != len(self.prefetching):
+            self.prefetching = still
+            self.ready.sort(key=_fifo)
+
+    def _settle(self, q: _Req, now_ns: int) -> None:
+        """The prefetch is over for the scheduler: fix the hit and check a page."""
+        op = q.op
+        if not op.done:
+            self.engine.cancel(op)   # completed_pages freezes here
+        q.hit_pages = op.completed_pages
+        q.done_tokens = q.hit_pages * self.cfg.page_size
+        q.seen_ns = now_ns
+        if self.cfg.verify and self.pool is not None and q.hit_pages:
+            if self.cfg.page_bytes_gen.matches(self.pool, q.slots[0], q.keys[0]):
+                self.verified += 1
+            else:
+                self.verify_failures.append(q.r.rid)
+
+    def _retire_prefetches(self) -> None:
+        keep = []
+        for item in self.consumed:
+            op, slots, rid, seen = item
+            if op.done:
+                self.slots.release(slots)
+                self.done_prefetch.append((rid, op, seen))
+            else:
+                keep.append(item)
+        self.consumed = keep
+
+    def _retire_backups(self) -> None:
+        keep = []
+        for item in self.backups:
+            rid, op, slots = item
+            if op.done:
+                self.slots.release(slots)
+                self.done_backup.append((rid, op, 0))
+            else:
+                keep.append(item)
+        self.backups = keep
+
+    def _next_batch(self, now_s: float, now_ns: int) -> Batch | None:
+        cfg = self.cfg
+        queue = self.ready
+        if cfg.policy == "best_effort" and self.prefetching:
+            # SGLang checks a best_effort prefetch when it schedules the request,
+            # and ends it there with whatever has landed.
+            queue = sorted(self.ready + self.prefetching, key=_fifo)
+        if queue:
+            budget = cfg.compute.chunk_tokens
+            items = []
+            for q in queue:
+                if budget <= 0:
+                    break
+                if q.seen_ns == 0 and q.op is not None:   # a best_effort prefetch still running
+                    self._settle(q, now_ns)
+                    self.prefetching.remove(q)
+                    self.ready.append(q)
+                if q.op is not None:  # first chunk: its pages go to the GPU now
+                    self.consumed.append((q.op, q.slots, q.r.rid, q.seen_ns))
+                    q.op = None
+                take = min(q.r.prompt_len - q.done_tokens, budget)
+                items.append((q, take))
+                budget -= take
+            self.ready.sort(key=_fifo)
+            tokens = sum(t for _, t in items)
+            return Batch("prefill", now_s, now_s + cfg.compute.prefill_s(tokens), items)
+        if self.running:
+            return Batch("decode", now_s, now_s + cfg.compute.decode_s(1),
+                         [(q, 1) for q in self.running])
+        return None
+
+    def _finish(self, batch: Batch, now_s: float) -> None:
+        before_done = len(self.finished)
+        if batch.kind == "decode":
+            still = []
+            for q, _ in batch.items:
+                q.token_s.append(now_s)
+                (self.finished if len(q.token_s) >= q.r.output_len else still).append(q)
+            self.running = still
+        else:
+            for q, take in batch.items:
+                before = q.done_tokens
+                q.done_tokens += take
+                self._write_back(q, before, q.done_tokens)
+                if q.done_tokens >= q.r.prompt_len:
+                    q.token_s.append(now_s)   # prefill yields the first token
+                    (self.finished if q.r.output_len <= 1 else self.running).append(q)
+            self.ready = [q for q in self.ready if q.done_tokens < q.r.prompt_len]
+        batch.finished_some = len(self.finished) > before_done
+        self.batches.append((batch.kind, batch.start_s, batch.end_s,
+                             sum(t for _, t in batch.items), len(batch.items)))
+
+    def _write_back(self, q: _Req, before: int, after: int) -> None:
+        """Back up the pages this chunk filled, beyond the ones storage already has."""
+        if self.pool is None or not q.wb_keys:
+            return  # the ideal backend writes nothing
+        ps = self.cfg.page_size
+        first_wb = len(q.keys)       # computed pages start after the workload's cached prefix
+        lo = max(before // ps, first_wb)
+        hi = min(after, q.r.prompt_len) // ps
+        if hi <= lo:
+            return
+        keys = q.wb_keys[lo - first_wb:hi - first_wb]
+        slots = self.slots.alloc(len(keys))
+        if slots is None:
+            self.backup_skipped += len(keys)
+            return
+        gen = self.cfg.page_bytes_gen
+        for slot, key in zip(slots, keys):
+            gen.stamp(self.pool, slot, key)
+        self.backups.append((q.r.rid, self.engine.backup(keys, slots), slots))
+
+    def _result(self, q: _Req) -> RequestResult:
+        ts = q.token_s
+        return RequestResult(rid=q.r.rid, prompt_len=q.r.prompt_len, output_len=q.r.output_len,
+                             cached_len=q.hit_pages * self.cfg.page_size,
+                             ttft_s=ts[0] - q.admit_s,
+                             itl_s=[b - a for a, b in zip(ts, ts[1:])],
+                             latency_s=ts[-1] - q.admit_s)
+
+
+def _fifo(q: _Req):
+    return (q.admit_s, q.r.rid)
+
+
+def _record(rid: int, op, seen_ns: int) -> OpRecord:
+    return OpRecord(rid=rid, kind=op.kind, pages=op.num_pages, ok_pages=op.ok_pages,
+                    nbytes=op.ok_pages * op.page_bytes, status=op.status,
+                    submit_ns=op.submit_ns, first_ns=op.first_ns, done_ns=op.done_ns,
+                    seen_ns=seen_ns, io_ns=op.io_ns, gbps=op.gbps,
+                    landed_ns=np.asarray(op.landed_ns, dtype=np.int64),
+                    worker_of=None if op.worker_of is None else np.asarray(op.worker_of))

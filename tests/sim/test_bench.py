@@ -1,0 +1,185 @@
+"""A tiny real bench: real engines, real worker processes, a real temp store.
+
+Checks figures a broken run would fail: the hit rate the scheduler actually
+served, every request's TTFT, prefetched and backed-up bytes against the
+workload's page counts, the byte check of prefetched pages (including that it
+catches a corrupted page), and the JSON report's fields.
+"""
+import json
+import os
+
+import pytest
+import torch
+
+from hicache_mp.sim.bench import ALL_RUNS, Bench, BenchConfig, table_rows
+from hicache_mp.sim.profile import chrome_trace, format_breakdown, op_breakdown
+from hicache_mp.sim.summary import format_comparison, format_summary
+from hicache_mp.sim.workload import HIT_RATE, describe
+from shm.names import SHM_DIR, owner_pid
+from workers import naming, pagefile
+
+N = 6
+SCALE = 0.05
+
+
+def _ours_in_shm():
+    return [n for n in os.listdir(SHM_DIR) if owner_pid(n) == os.getpid()]
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(num_requests=N, quick=True, prompt_scale=SCALE, storage_dir=str(tmp_path / "store"),
+                max_run_s=60.0)
+    base.update(kw)
+    return BenchConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    bench = Bench(_cfg(tmp_path_factory.mktemp("bench"), runs=ALL_RUNS), log=lambda m: None)
+    results = {}
+    rep = bench.run(on_result=lambda label, res, figs: results.__setitem__(label, res))
+    rep["_bench"], rep["_results"] = bench, results
+    return rep
+
+
+def test_every_run_serves_every_request(report):
+    bench = report["_bench"]
+    want_hit = describe(bench.requests)["hit_rate"]
+    assert set(report["runs"]) == set(ALL_RUNS)
+    for label, run in report["runs"].items():
+        s = run["summary"]
+        assert s["total_requests"] == N, label
+        assert abs(s["cache_hit_rate"] - want_hit) <= 0.02, label
+        assert abs(s["cache_hit_rate"] - HIT_RATE) <= 0.02, label
+        reqs = run["requests"]
+        assert len(reqs) == N
+        for r in reqs:
+            assert r["ttft_s"] > 0 and r["latency_s"] >= r["ttft_s"], (label, r)
+            assert len(r["itl_s"]) == r["output_len"] - 1
+        assert s["ttft_mean_s"] > 0 and s["input_token_throughput"] > 0
+        assert run["extra"]["loop_iters_per_s"] > 0
+
+
+def test_storage_runs_move_exactly_the_cached_and_computed_pages(report):
+    bench = report["_bench"]
+    ps, page_bytes = bench.cfg.page_size, bench.geometry.page_bytes
+    cached = sum(r.cached_len // ps for r in bench.requests)
+    computed = sum(r.prompt_len // ps - r.cached_len // ps for r in bench.requests)
+    assert report["warmup"]["pages_written"] + report["warmup"]["pages_present"] == cached
+    for label in ("file", "file+yield", "mp"):
+        run = report["runs"][label]
+        pf, bk = run["prefetch"], run["backup"]
+        assert pf["ok_pages"] == cached and pf["bytes"] == cached * page_bytes, label
+        assert pf["statuses"] == {"ok": pf["ops"]}, label
+        assert run["engine"]["read_bytes"] == cached * page_bytes, label
+        assert bk["ok_pages"] + bk["skipped_pages"] == computed, label
+        assert bk["skipped_pages"] == 0, label
+        assert run["engine"]["write_bytes"] == computed * page_bytes, label
+        assert run["extra"]["prefetch_gbps_mean"] > 0 and run["extra"]["backup_gbps"] > 0
+        assert run["verify"] == {"pages_checked": N, "failures": []}, label
+    none = report["runs"]["none"]
+    assert none["prefetch"]["bytes"] == 0 and none["backup"]["ops"] == 0
+    assert none["extra"]["prefetch_gbps_mean"] is None
+    assert report["runs"]["mp"]["engine"]["workers"] >= 1
+
+
+def test_write_backs_are_removed_after_each_run(report):
+    bench = report["_bench"]
+    store = bench.cfg.storage_dir
+    pages = [f for _, _, files in os.walk(store) for f in files if f.endswith(".page")]
+    assert len(pages) == sum(r.cached_len // bench.cfg.page_size for r in bench.requests)
+
+
+def test_report_is_json_and_compares_against_none(report, tmp_path):
+    rep = {k: v for k, v in report.items() if not k.startswith("_")}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(rep))
+    back = json.loads(path.read_text())
+    assert back["schema"] == "hicache_mp.bench/1"
+    for key in ("created", "config", "machine", "workload", "warmup", "runs", "comparison"):
+        assert key in back
+    cfg = back["config"]
+    assert cfg["geometry"]["num_layers"] == 4 and cfg["page_bytes"] == 256 * 1024
+    assert cfg["prompt_scale"] == SCALE and cfg["time_scale"] == 0.2
+    run = back["runs"]["mp"]
+    for key in ("backend", "policy", "yield_ms", "duration_s", "loop_iters", "summary", "extra",
+                "prefetch", "backup", "verify", "engine", "requests", "batches"):
+        assert key in run
+    assert back["runs"]["file+yield"]["yield_ms"] == 1.0
+    cmp_ = back["comparison"]
+    assert cmp_["baseline"] == "none"
+    assert cmp_["ttft_mean_over_baseline"]["none"] == pytest.approx(1.0)
+    table = format_comparison(table_rows(back["runs"]), baseline="none")
+    for label in ALL_RUNS:
+        assert any(line.startswith(label + " ") for line in table.splitlines())
+    text = format_summary("mp", run["summary"], run["extra"])
+    assert "Cache hit rate" in text and "Prefetch GB/s (mean)" in text
+
+
+def test_profile_breakdown_and_trace(report):
+    for label in ("file", "mp"):
+        res = report["_results"][label]
+        rows = op_breakdown(res.prefetch)
+        assert len(rows) == len(res.prefetch) == N
+        for r in rows:
+            assert r["wall_ms"] > 0 and r["io_ms"] > 0
+            assert 0 <= r["queue_ms"] <= r["wall_ms"] and r["drain_ms"] <= r["wall_ms"]
+        trace = json.loads(json.dumps(chrome_trace(res)))
+        ev = trace["traceEvents"]
+        ops = [e for e in ev if e["ph"] == "X" and e["pid"] == 1 and e["tid"] >= 1000]
+        assert len(ops) == len(res.prefetch) + len(res.backups)
+        landed = sum(r.ok_pages for r in res.prefetch) + sum(r.ok_pages for r in res.backups)
+        assert sum(1 for e in ev if e["ph"] == "i") == landed
+        assert all(e["ts"] >= 0 for e in ev if "ts" in e)
+        assert "mean" in format_breakdown(rows)
+
+
+def test_nothing_left_in_shm(report):
+    assert _ours_in_shm() == []
+
+
+def test_byte_check_catches_a_corrupted_page(tmp_path):
+    cfg = _cfg(tmp_path, num_requests=3, runs=("mp",))
+    bench = Bench(cfg, log=lambda m: None)
+    store = cfg.storage_dir
+    os.makedirs(store)
+    bench.warm_up(store)
+    victim = bench.requests[1]
+    ns = naming.namespace("default", bench.geometry.fingerprint())
+    path = naming.page_path(store, naming.key_digest(victim.page_keys(cfg.page_size)[0], ns))
+    with open(path, "r+b") as f:   # flip payload bytes; the header stays valid
+        f.seek(pagefile.HEADER_SIZE + 100)
+        f.write(b"\xff" * 64)
+    res = bench.run_backend("mp", store)
+    assert res.verify_failures == [victim.rid]
+    assert _ours_in_shm() == []
+
+
+@pytest.mark.parametrize("policy,timeout_s", [("best_effort", 10.0), ("timeout", 0.0)])
+def test_policies_that_cut_prefetches_short_still_finish(tmp_path, policy, timeout_s):
+    bench = Bench(_cfg(tmp_path, num_requests=4, runs=("mp",), policy=policy,
+                       timeout_s=timeout_s), log=lambda m: None)
+    rep = bench.run()
+    run = rep["runs"]["mp"]
+    assert run["summary"]["total_requests"] == 4
+    assert all(r["ttft_s"] > 0 for r in run["requests"])
+    # Whatever was cut short is recomputed, never served as a hit.
+    assert run["summary"]["cache_hit_rate"] <= describe(bench.requests)["hit_rate"] + 1e-9
+    assert run["verify"]["failures"] == []
+    assert _ours_in_shm() == []
+
+
+def test_stamp_marks_a_slot_in_both_layouts(tmp_path):
+    import hashlib
+
+    from hicache_mp import EngineConfig, PageGeometry, make_engine
+    from hicache_mp.sim.pagebytes import PageBytes
+    for layout in ("page_first", "layer_first"):
+        g = PageGeometry(2, 2, 32, 16, layout=layout)
+        with make_engine("file", EngineConfig(storage_dir=str(tmp_path), host_pool_pages=4), g) as eng:
+            pb = PageBytes(g)
+            pb.fill(eng.host_pool, 1, "k1")
+            assert pb.matches(eng.host_pool, 1, "k1") and not pb.matches(eng.host_pool, 1, "k2")
+            pb.stamp(eng.host_pool, 2, "k2")
+            raw = eng.host_pool.page_view(2).contiguous().view(-1).view(torch.uint8).numpy()
+            assert raw[:32].tobytes() == hashlib.sha256(b"k2").digest()

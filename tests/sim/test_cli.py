@@ -1,0 +1,52 @@
+"""`hicache-mp bench`: --help documents every flag; a small run prints the table and JSON."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hicache_mp import cli
+
+FLAGS = ("--quick", "--hicache-storage-backend", "--hicache-mp-workers",
+         "--hicache-storage-prefetch-policy", "--prefetch-timeout-s", "--page-size",
+         "--hicache-mem-layout", "--storage-dir", "--scheduler-yield-ms", "--num-requests",
+         "--seed", "--host-pool-pages", "--json", "--plot", "--no-verify")
+
+
+def test_help_lists_every_flag_with_defaults():
+    out = subprocess.run([sys.executable, "-m", "hicache_mp.cli", "bench", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    for flag in FLAGS:
+        assert flag in out, flag
+    text = " ".join(out.split())
+    for shown in ("(default: wait_complete)", "(default: 64)", "(default: page_first)",
+                  "(default: all)", "(default: 32)", "(default: 0)"):
+        assert shown in text, shown
+    parser_flags = {a for act in cli._bench_parser(
+        __import__("argparse").ArgumentParser().add_subparsers())._actions
+        for a in act.option_strings if a.startswith("--") and a != "--help"}
+    assert parser_flags == set(FLAGS)
+
+
+def test_small_run_prints_table_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "out.json"
+    rc = cli.main(["bench", "--quick", "--num-requests", "3", "--hicache-storage-backend", "mp",
+                   "--storage-dir", str(tmp_path / "s"), "--json", str(path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "Serving Benchmark Result (mp)" in out and "Comparison" in out
+    rep = json.loads(path.read_text())
+    assert list(rep["runs"]) == ["mp"] and rep["command"][:2] == ["hicache-mp", "bench"]
+    assert rep["runs"]["mp"]["summary"]["total_requests"] == 3
+
+
+def test_yield_only_for_file(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--hicache-storage-backend", "mp", "--scheduler-yield-ms", "1"])
+
+
+def test_plot_without_matplotlib_says_how_to_install(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    rc = cli.main(["bench", "--quick", "--plot", str(tmp_path / "p.png")])
+    assert rc == 2
+    assert "pip install -e .[plot]" in capsys.readouterr().err
