@@ -34,7 +34,7 @@ from shm.hostpool import HostPool
 from shm.ring import KIND_READ, KIND_WRITE, RECORD_DTYPE
 from workers import status as st
 from workers.control import BUSY_NS, BYTES, PAGES, WAITERS, Control
-from workers.pool import BrokenPool, WorkerPool
+from workers.pool import BrokenPool, WorkerPool, worker_cpus
 
 from .config import EngineConfig
 from .core import EngineCore, log
@@ -69,11 +69,7 @@ class PrefetchEngine(EngineCore):
                 "write_checksum": config.write_checksum, "fsync": config.fsync,
                 "batch": config.worker_batch,
             }
-            pin = None
-            if config.pin_workers:
-                import psutil
-                cpus = sorted(psutil.Process().cpu_affinity())
-                pin = cpus[1:] or cpus  # leave the first CPU to the scheduler
+            pin = worker_cpus() if config.pin_workers else None
             self.pool = WorkerPool(num_workers=workers, tag=self.tag, control=self.control,
                                    done_sem=self.done_sem.name, worker_config=worker_config,
                                    ring_capacity=config.resolved_ring_capacity(workers),

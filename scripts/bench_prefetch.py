@@ -248,6 +248,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--storage-dir", default=None, help="store directory (default: a temp dir, removed after)")
     ap.add_argument("--file-cap-s", type=float, default=15.0,
                     help="stop a baseline measurement after this long and report what landed (default 15)")
+    ap.add_argument("--pin-workers", action="store_true",
+                    help="pin mp workers off the scheduler's core and its hyperthread siblings")
     ap.add_argument("--quick", action="store_true", help="small pages and store, for a CPU smoke run")
     ap.add_argument("--json", default=None, help="write every figure to this path")
     args = ap.parse_args(argv)
@@ -258,7 +260,7 @@ def main(argv=None) -> dict:
     geometry = PageGeometry(args.num_layers, args.num_kv_heads, args.head_dim, args.page_size,
                             "bfloat16", args.hicache_mem_layout)
     store = args.storage_dir or tempfile.mkdtemp(prefix="hicache_mp_bench_")
-    out = {"geometry": geometry.to_dict(), "page_bytes": geometry.page_bytes, "pages": args.pages,
+    out = {"pin_workers": args.pin_workers, "geometry": geometry.to_dict(), "page_bytes": geometry.page_bytes, "pages": args.pages,
            "rounds": args.rounds, "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
     try:
         keys, paths = build_store(args, geometry, store)
@@ -269,7 +271,8 @@ def main(argv=None) -> dict:
         for w in args.workers:
             log(f"raw ceiling with {w} reader processes")
             raw = raw_ceiling(paths, geometry, w, args.rounds)
-            cfg = EngineConfig(storage_dir=store, num_workers=w, host_pool_pages=args.pages, model_name="bench")
+            cfg = EngineConfig(storage_dir=store, num_workers=w, host_pool_pages=args.pages, model_name="bench",
+                               pin_workers=args.pin_workers)
             with make_engine("mp", cfg, geometry) as eng:
                 log(f"mp with {w} workers: idle and busy scheduler, interleaved x{args.repeats}")
                 loop_idle, idles, busys = [], [], []

@@ -33,6 +33,47 @@ from workers.control import MAX_WORKERS, READY_PID, STOP, Control
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def worker_cpus() -> list[int]:
+    """CPUs for pinned workers: all we may run on, minus the scheduler's core.
+
+    The scheduler keeps the CPU it runs on now *and its hyperthread siblings*:
+    a worker on a sibling shares the core's pipeline and slows the scheduler's
+    Python loop about as much as sharing the CPU itself. The scheduler is then
+    thread (only the calling thread: os.sched_setaffinity(0)) is then pinned
+    to that core so the two sets stay apart; other threads of the process
+    keep every CPU.
+    """
+    import psutil
+    me = psutil.Process()
+    allowed = sorted(me.cpu_affinity())
+    cpu = os.sched_getcpu() if hasattr(os, "sched_getcpu") else allowed[0]
+    keep = {cpu}
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+            keep |= set(_parse_cpu_list(f.read()))
+    except OSError:
+        pass
+    rest = [c for c in allowed if c not in keep]
+    if not rest:
+        return allowed
+    try:
+        os.sched_setaffinity(0, keep & set(allowed))
+    except OSError:
+        pass
+    return rest
+
+
+def _parse_cpu_list(text: str) -> list[int]:
+    out = []
+    for part in text.strip().split(","):
+        if "-" in part:
+            lo, hi = part.split("-")
+            out.extend(range(int(lo), int(hi) + 1))
+        elif part:
+            out.append(int(part))
+    return out
+
+
 class WorkerStartError(RuntimeError):
     """A worker could not be started (it exited or never became ready)."""
 
