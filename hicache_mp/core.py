@@ -60,6 +60,7 @@ class EngineCore:
         self._busy_since = {READ: 0, WRITE: 0}
         self._in_flight = {READ: 0, WRITE: 0}
         self._poll_calls = 0
+        self.loader = None
 
     # --- public API -----------------------------------------------------------
     def exists(self, keys) -> int:
@@ -92,11 +93,20 @@ class EngineCore:
             op._cancel()
             self._cancel_io(op)
 
+    def attach_loader(self, loader) -> None:
+        """Own a DeviceLoader: `poll()` then also advances its GPU copies, and
+        `close()` closes it first (its CUDA registration must end while the
+        pool is still mapped). `op.device_event` is the op's load handle."""
+        loader.engine = self
+        self.loader = loader
+
     def poll(self) -> int:
         """Apply finished pages to their ops. Cheap and non-blocking: call every loop."""
         with self._lock:
             self._poll_calls += 1
             n = self._drain()
+            if self.loader is not None:
+                self.loader.step()
             if self.config.rescan_interval_s and \
                     time.monotonic() - self._last_rescan > self.config.rescan_interval_s:
                 self._start_rescan()
@@ -148,6 +158,8 @@ class EngineCore:
                 return
             self._closed = True
             try:
+                if self.loader is not None:
+                    self.loader.close()
                 self._shutdown_io()
             finally:
                 now = time.perf_counter_ns()
