@@ -32,16 +32,26 @@ TARGET = 0.85
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layouts", default="page_first,layer_first")
-    ap.add_argument("--batches", default="1,16,128")
-    ap.add_argument("--methods", default="auto,memcpy,gather")
-    ap.add_argument("--patterns", default="random,contiguous")
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--staging-pages", type=int, default=16)
+    ap.add_argument("--layouts", default="page_first,layer_first",
+                    help="comma-separated host layouts (default: both)")
+    ap.add_argument("--batches", default="1,16,128",
+                    help="comma-separated pages per load (default: 1,16,128)")
+    ap.add_argument("--methods", default="auto,memcpy,gather",
+                    help="copy methods: auto picks per batch; memcpy/gather force one (default: all three)")
+    ap.add_argument("--patterns", default="random,contiguous",
+                    help="page order on both sides: random (unordered, scattered) or contiguous (default: both)")
+    ap.add_argument("--iters", type=int, default=10,
+                    help="timed repetitions per cell, after a warm-up (default: 10)")
+    ap.add_argument("--layers", type=int, default=32,
+                    help="model layers (default: 32, Llama-3.1-8B)")
+    ap.add_argument("--heads", type=int, default=8,
+                    help="KV heads (default: 8)")
+    ap.add_argument("--head-dim", type=int, default=128,
+                    help="head dim (default: 128)")
+    ap.add_argument("--page-size", type=int, default=64,
+                    help="tokens per page (default: 64 -> 8 MiB pages)")
+    ap.add_argument("--staging-pages", type=int, default=16,
+                    help="device staging buffer, in pages (default: 16)")
     ap.add_argument("--no-store", action="store_true", help="skip the device -> host direction")
     ap.add_argument("--explore", action="store_true",
                     help="also time the raw pieces (DMA, zero-copy gathers, device scatter) for 128 random pages")

@@ -181,8 +181,9 @@ def timeline(layout: str, rng, pages: int) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--timeline-pages", type=int, default=48)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeline-pages", type=int, default=48,
+                    help="pages in the op whose load timeline is printed (default: 48)")
+    ap.add_argument("--seed", type=int, default=0, help="random data and page-order seed (default: 0)")
     ap.add_argument("--device", default="cuda", help="'cpu' dry-runs the checks on the CPU fallback")
     args = ap.parse_args(argv)
     if args.device != "cpu" and not torch.cuda.is_available():
