@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Every GPU-machine check and benchmark in one go, for a lent box with a time
+# limit: DeviceLoader correctness, H2D rates, prefetch ratios, and a small
+# full-geometry long-context run. Usage: scripts/gpu_suite.sh OUTDIR [NUM_REQUESTS]
+# Each step has its own time limit, so one slow step cannot eat the others.
+set -u
+out=${1:?usage: scripts/gpu_suite.sh OUTDIR [NUM_REQUESTS]}
+nreq=${2:-6}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+step() {  # step NAME SECONDS CMD...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s) ==="
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  echo "rc=$? in $((SECONDS - t0))s"
+  tail -n "${TAIL:-25}" "$out/$name.log"
+}
+step gpu_check 120 python3 scripts/gpu_check_device.py
+TAIL=20 step bench_h2d 120 python3 scripts/bench_h2d.py --methods auto --json "$out/h2d.json"
+TAIL=16 step bench_prefetch 200 python3 scripts/bench_prefetch.py --workers 8 12 15 --pages 1024 --rounds 2 \
+  --repeats 3 --storage-dir /tmp/hicache_mp_prefetch --json "$out/prefetch.json"
+TAIL=12 step bench_prefetch_pinned 100 python3 scripts/bench_prefetch.py --workers 15 --pin-workers --pages 1024 \
+  --rounds 2 --repeats 3 --storage-dir /tmp/hicache_mp_prefetch --json "$out/prefetch_pinned.json"
+rm -rf /tmp/hicache_mp_prefetch
+TAIL=12 step long_context 240 python3 scripts/bench_long_context.py --num-requests "$nreq" \
+  --storage-dir /tmp/hicache_mp_lc --json "$out/long_context.json"
