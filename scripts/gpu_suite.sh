@@ -16,12 +16,12 @@ step() {  # step NAME SECONDS CMD...
   echo "rc=$? in $((SECONDS - t0))s"
   tail -n "${TAIL:-25}" "$out/$name.log"
 }
-step gpu_check 120 python3 scripts/gpu_check_device.py
-TAIL=20 step bench_h2d 120 python3 scripts/bench_h2d.py --methods auto --json "$out/h2d.json"
-TAIL=16 step bench_prefetch 200 python3 scripts/bench_prefetch.py --workers 8 12 15 --pages 1024 --rounds 2 \
+step gpu_check 90 python3 scripts/gpu_check_device.py
+TAIL=20 step bench_h2d 90 python3 scripts/bench_h2d.py --methods auto --json "$out/h2d.json"
+TAIL=16 step bench_prefetch 180 python3 scripts/bench_prefetch.py --workers 8 12 15 --pages 1024 --rounds 2 \
   --repeats 3 --storage-dir /tmp/hicache_mp_prefetch --json "$out/prefetch.json"
-TAIL=12 step bench_prefetch_pinned 100 python3 scripts/bench_prefetch.py --workers 15 --pin-workers --pages 1024 \
+TAIL=12 step bench_prefetch_pinned 80 python3 scripts/bench_prefetch.py --workers 15 --pin-workers --pages 1024 \
   --rounds 2 --repeats 3 --storage-dir /tmp/hicache_mp_prefetch --json "$out/prefetch_pinned.json"
 rm -rf /tmp/hicache_mp_prefetch
-TAIL=12 step long_context 240 python3 scripts/bench_long_context.py --num-requests "$nreq" \
+TAIL=12 step long_context 150 python3 scripts/bench_long_context.py --num-requests "$nreq" \
   --storage-dir /tmp/hicache_mp_lc --json "$out/long_context.json"
