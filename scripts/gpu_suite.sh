@@ -16,6 +16,9 @@ step() {  # step NAME SECONDS CMD...
   echo "rc=$? in $((SECONDS - t0))s"
   tail -n "${TAIL:-25}" "$out/$name.log"
 }
+echo "=== machine ==="
+nproc; (lscpu 2>/dev/null | grep -E "Model name|Thread|Core|Socket|NUMA node\(s\)") || true
+echo "thread siblings: $(cat /sys/devices/system/cpu/cpu*/topology/thread_siblings_list 2>/dev/null | sort -u | tr '\n' ' ')"
 step gpu_check 90 python3 scripts/gpu_check_device.py
 TAIL=20 step bench_h2d 90 python3 scripts/bench_h2d.py --methods auto --json "$out/h2d.json"
 TAIL=16 step bench_prefetch 180 python3 scripts/bench_prefetch.py --workers 8 12 15 --pages 1024 --rounds 2 \
