@@ -21,11 +21,25 @@ from shm import PageGeometry
 from workers import naming
 from workers import status as st
 
-from .config import EngineConfig
+from .config import POLICIES, EngineConfig
 from .index import StoreIndex
 from .ops import READ, WRITE, Op
 
 log = logging.getLogger("hicache_mp")
+
+
+def _check_pool_size(nbytes: int) -> None:
+    """An absurd pool size is a ValueError here, before anything is allocated.
+
+    Whatever backs the host pool (a /dev/shm segment, or a region handed over
+    by fd), it needs that much memory; a segment created by the engine is also
+    checked against /dev/shm's free space (`shm.hostpool`).
+    """
+    import psutil
+    limit = psutil.virtual_memory().total + psutil.swap_memory().total
+    if nbytes > limit:
+        raise ValueError(f"a host pool of {nbytes / 2**30:.1f} GiB does not fit in this machine's "
+                         f"memory ({limit / 2**30:.1f} GiB): lower host_pool_pages or the page size")
 
 
 class EngineClosed(RuntimeError):
@@ -38,6 +52,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, geometry: PageGeometry):
         if not isinstance(geometry, PageGeometry):
             raise ValueError(f"geometry must be a PageGeometry, got {type(geometry).__name__}")
+        _check_pool_size(geometry.pool_bytes(config.host_pool_pages))
         self.config = config
         self.geometry = geometry
         self.namespace = naming.namespace(config.model_name, geometry.fingerprint(),
@@ -183,6 +198,11 @@ class EngineCore:
     def _start(self, kind, keys, host_pages, policy, timeout_s) -> Op:
         if self._closed:
             raise EngineClosed("engine is closed")
+        if isinstance(keys, (str, bytes, bytearray)):
+            # list("abc") would silently become three one-letter keys
+            raise ValueError("keys must be a sequence of keys, not a single str or bytes")
+        if policy is not None and policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         keys = list(keys)
         pages = self._check_pages(host_pages, len(keys))
         ns = self.namespace
@@ -215,6 +235,8 @@ class EngineCore:
         if pages.ndim != 1 or (pages.size and pages.dtype.kind not in "iu"):
             raise ValueError(f"host_pages must be a 1-D sequence of ints, got dtype {pages.dtype} "
                              f"shape {pages.shape}")
+        if pages.size and pages.dtype.kind == "u" and int(pages.max()) > np.iinfo(np.int64).max:
+            raise ValueError(f"host page {int(pages.max())} out of range")  # before the cast wraps it
         pages = pages.astype(np.int64, copy=False)
         if len(pages) != nkeys:
             raise ValueError(f"{nkeys} keys but {len(pages)} host pages")

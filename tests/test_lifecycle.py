@@ -1,74 +1,18 @@
-"""Worker and scheduler deaths, daemonic parents, stale segments: nothing hangs, nothing stays."""
+"""Daemonic parents, stale segments, torch-free workers: starting and stopping leave nothing behind."""
 import multiprocessing as mp
-import os
-import signal
 import subprocess
 import sys
-import textwrap
-import time
 
 import psutil
-import pytest
-import torch
 
 from shm import Segment, new_owner_tag
 from shm.names import list_ours, clean_stale
 
-from helpers import engine, fill, random_pages, read_back
+from helpers import engine, fill, random_pages
 
 
-def test_sigkilled_worker_is_replaced_and_its_pages_fail(store):
-    n = 48
-    keys = [f"w{i}" for i in range(n)]
-    with engine(store, pages=2 * n, workers=2, worker_batch=1) as e:
-        data = random_pages(e.geometry, n)
-        fill(e, range(n), data)
-        assert e.wait(e.backup(keys, range(n)), 30)
-        victim = e.pool.workers[1]  # page 0 goes to worker 0, so some pages lead
-        os.kill(victim.pid, signal.SIGSTOP)   # freeze it with pages queued, then kill it
-        op = e.prefetch(keys, range(n, 2 * n))
-        os.kill(victim.pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        assert e.wait(op, 10), "op hung after a worker died"
-        assert time.monotonic() - t0 < 10
-        counts = op.status_counts()
-        assert counts.get("worker_died", 0) > 0 and op.status == "partial"
-        lead = op.completed_pages
-        assert torch.equal(read_back(e, range(n, n + lead)).view(torch.int16),
-                           data[:lead].view(torch.int16))  # landed pages are right, even if none
-        assert e.metrics()["respawns"] == 1 and e.pool.workers[1].pid != victim.pid
-        again = e.prefetch(keys, range(n, 2 * n))   # the next prefetch works
-        assert e.wait(again, 30) and again.status == "ok"
-        assert torch.equal(read_back(e, range(n, 2 * n)).view(torch.int16), data.view(torch.int16))
-
-
-SCHEDULER = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, sys.argv[2])
-    from helpers import engine
-    e = engine(sys.argv[1], pages=8, workers=2)
-    print(e.tag, *[w.pid for w in e.pool.workers], flush=True)
-    import time
-    time.sleep(600)
-""")
-
-
-def test_sigkilled_scheduler_leaves_no_workers_and_no_segments(store):
-    here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.Popen([sys.executable, "-c", SCHEDULER, store, here], stdout=subprocess.PIPE, text=True)
-    tag, *pids = proc.stdout.readline().split()
-    assert len(pids) == 2 and [n for n in list_ours() if tag in n]
-    proc.kill()
-    proc.wait()
-    t0 = time.monotonic()
-    while any(psutil.pid_exists(int(p)) and psutil.Process(int(p)).status() != psutil.STATUS_ZOMBIE
-              for p in pids):
-        assert time.monotonic() - t0 < 1.5, "workers outlived their scheduler"
-        time.sleep(0.02)
-    deadline = time.monotonic() + 2
-    while [n for n in list_ours() if tag in n] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not [n for n in list_ours() if tag in n], "orphaned workers did not unlink the segments"
+# Worker and scheduler SIGKILLs live in tests/faults/ (test_worker_death.py,
+# test_engine_death.py), with mid-read and mid-write variants.
 
 
 def test_stale_segments_of_a_dead_owner_are_removed_at_start(store):

@@ -7,9 +7,14 @@ Must not open files.
 """
 import hashlib
 import os
+import re
+import socket
 
 PAGE_SUFFIX = ".page"
 TMP_MARK = ".tmp."
+# Where damaged page files go when `quarantine_bad_files` is on. Its name is not
+# two characters long, so the index scan never walks into it.
+QUARANTINE_DIR = "quarantine"
 MAX_KEY_BYTES = 4096
 FORBIDDEN_IN_KEYS = ("/", "\\", "\0")
 
@@ -62,10 +67,41 @@ def digest_from_name(filename: str) -> bytes | None:
         return None
 
 
+def host_tag() -> str:
+    """This machine's name as it goes into temp file names (no dots, bounded).
+
+    A pid means something only on the host (and pid namespace) that issued
+    it: on a store shared between nodes or containers, a scan must not judge
+    another host's writer dead by looking up its pid here.
+    """
+    global _HOST_TAG
+    if _HOST_TAG is None:
+        _HOST_TAG = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
+    return _HOST_TAG
+
+
+_HOST_TAG = None
+
+
 def tmp_path(path: str, pid: int, serial: int) -> str:
     """A writer's private temp name beside the final path (same directory, so
-    `os.replace` is atomic). It never ends in .page, so it is never a page."""
-    return f"{path}{TMP_MARK}{pid}.{serial}"
+    `os.replace` is atomic). It never ends in .page, so it is never a page.
+    Form: ``<page path>.tmp.<pid>.<host>.<serial>``."""
+    return f"{path}{TMP_MARK}{pid}.{host_tag()}.{serial}"
+
+
+def tmp_host(filename: str) -> str | None:
+    """The writer host of a temp file name; None for the older ``.tmp.<pid>.<serial>``
+    form (written by this version's predecessors, which ran on one host)."""
+    i = filename.find(TMP_MARK)
+    parts = filename[i + len(TMP_MARK):].split(".") if i >= 0 else []
+    return parts[1] if len(parts) == 3 else None
+
+
+def quarantine_path(root: str, path: str, cause: str, pid: int, serial: int) -> str:
+    """Where a damaged page file is moved aside: it never ends in .page, and a
+    cause, pid and serial keep every moved file apart."""
+    return os.path.join(root, QUARANTINE_DIR, f"{os.path.basename(path)}.{cause}.{pid}.{serial}")
 
 
 def tmp_owner(filename: str) -> int | None:

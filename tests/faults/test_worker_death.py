@@ -1,0 +1,97 @@
+"""A worker SIGKILLed with pages queued, mid-read and mid-write: the op ends
+partial or failed in bounded time, the worker is replaced, the next op works,
+a landed page is never wrong and a temp file never becomes a page.
+
+Big (2 MiB) pages so each read or write lasts long enough to be caught: the
+test freezes the victim exactly while it holds the page or temp file open.
+"""
+import os
+import signal
+import time
+
+from workers import naming
+
+from faultkit import BIG, backup, content, fingerprint, get, make, prefetch, \
+    put, settle, stop_during_io, store_files, wrong_pages
+
+N = 24
+DEADLINE_S = 10  # "bounded time": generous for a 2-core CI box, far from a hang
+
+
+def _allowed(eng):
+    return lambda key: {fingerprint(content(key, eng.geometry.page_bytes))}
+
+
+def _wait_bounded(eng, op):
+    t0 = time.monotonic()
+    assert eng.wait(op, DEADLINE_S), f"op hung after a worker died: {op}"
+    return time.monotonic() - t0
+
+
+def test_worker_killed_with_pages_queued(store):
+    keys = [f"q{i}" for i in range(N)]
+    with make(store, pages=2 * N, workers=2, worker_batch=1) as e:
+        assert backup(e, keys, range(N)).status == "ok"
+        victim = e.pool.workers[1]  # page 0 goes to worker 0, so some pages lead
+        os.kill(victim.pid, signal.SIGSTOP)  # freeze it with its share still queued
+        op = e.prefetch(keys, range(N, 2 * N))
+        os.kill(victim.pid, signal.SIGKILL)
+        _wait_bounded(e, op)
+        assert op.status == "partial" and op.status_counts().get("worker_died", 0) > 0
+        assert not wrong_pages(e, op, _allowed(e))
+        assert e.metrics()["respawns"] == 1 and e.pool.workers[1].pid != victim.pid
+        again = prefetch(e, keys, range(N, 2 * N))
+        assert again.status == "ok" and not wrong_pages(e, again, _allowed(e))
+
+
+def test_worker_killed_mid_read(store):
+    keys = [f"r{i}" for i in range(N)]
+    with make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1) as e:
+        assert backup(e, keys, range(N)).status == "ok"
+        victim = e.pool.workers[1]
+        os.kill(victim.pid, signal.SIGSTOP)  # stop_during_io steps it from here
+        op = e.prefetch(keys, range(N, 2 * N))
+        caught = stop_during_io(victim.pid, lambda p: p.endswith(naming.PAGE_SUFFIX))
+        os.kill(victim.pid, signal.SIGKILL)
+        assert caught, "never caught the worker inside a read"
+        _wait_bounded(e, op)
+        assert op.status in ("partial", "failed")
+        assert op.status_counts().get("worker_died", 0) > 0
+        assert not wrong_pages(e, op, _allowed(e))  # half-read slot never reported ok
+        assert e.metrics()["respawns"] == 1
+        again = prefetch(e, keys, range(N, 2 * N))
+        assert again.status == "ok" and not wrong_pages(e, again, _allowed(e))
+
+
+def test_worker_killed_mid_write(store):
+    keys = [f"w{i}" for i in range(N)]
+    with make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1) as e:
+        pb = e.geometry.page_bytes
+        for i, k in enumerate(keys):
+            put(e, i, content(k, pb))
+        victim = e.pool.workers[1]
+        os.kill(victim.pid, signal.SIGSTOP)
+        op = e.backup(keys, range(N))
+        tmp = stop_during_io(victim.pid, lambda p: naming.TMP_MARK in p)
+        os.kill(victim.pid, signal.SIGKILL)
+        assert tmp, "never caught the worker inside a write"
+        _wait_bounded(e, op)
+        assert op.status in ("partial", "failed")
+        assert op.status_counts().get("worker_died", 0) > 0
+        # The half-written temp file is no page: not indexed, not at the page's path.
+        half = tmp[:tmp.index(naming.TMP_MARK)]
+        assert naming.digest_from_name(os.path.basename(tmp)) is None
+        assert not os.path.exists(half)
+        assert e.exists(keys) <= op.completed_pages
+        # ...and the running engine removes it (a rescan reaps a dead writer's temp files).
+        assert settle(lambda: not store_files(store)[1]), f"temp files stayed: {store_files(store)[1]}"
+        assert e.metrics()["respawns"] == 1
+        # Every page file present is whole; every page reported written reads back.
+        got = prefetch(e, keys, range(N, 2 * N))
+        assert not wrong_pages(e, got, _allowed(e))
+        written = [i for i, s in enumerate(op.page_status.tolist()) if s == 1]
+        assert all(got.page_status[i] == 1 for i in written)
+        # The next backup works, and completes what the dead worker dropped.
+        assert backup(e, keys, range(N)).status == "ok"
+        assert prefetch(e, keys, range(N, 2 * N)).status == "ok"
+        assert get(e, N) == content(keys[0], pb)
