@@ -1,4 +1,5 @@
-"""The `hicache-mp` command line. Subcommand `bench`: the long-context workload, per backend.
+"""The `hicache-mp` command line. Subcommands `bench` (the long-context workload, per
+backend) and `import-sglang` (convert an SGLang `file` store; hicache_mp.importer).
 
 Owns argv parsing, progress and result printing, and writing `--json` /
 `--plot` files. Must not hold benchmark logic: `hicache_mp.sim.bench` runs it.
@@ -129,7 +130,64 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="GIL-free multiprocess KV prefetch engine tools")
     sub = parser.add_subparsers(dest="command", required=True)
     _bench_parser(sub)
+    _import_sglang_parser(sub)
     return parser
+
+
+# --- import-sglang (logic: hicache_mp.importer) --------------------------------
+def _import_sglang_parser(sub) -> argparse.ArgumentParser:
+    from hicache_mp.integrations.sglang_layouts import RAW_LAYOUTS
+    p = sub.add_parser(
+        "import-sglang", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="convert an SGLang 'file' HiCache store into a hicache_mp store",
+        description="Convert the raw page files of SGLang's 'file' storage backend "
+                    "(<key>_<model>_<tp_rank>_<tp_size>.bin, no header, in the host layout of "
+                    "the server that wrote them) into hicache_mp page files under the namespace "
+                    "the SGLang backend HiCacheMP uses, so a warm cache survives the switch. "
+                    "Files whose size does not match the geometry, of other models/ranks, or "
+                    "already present are skipped and reported. The source is never modified.")
+    p.add_argument("--src", required=True, help="SGLang store (SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR "
+                                                "or file_storage_path; default there /tmp/hicache)")
+    p.add_argument("--dst", required=True, help="hicache_mp store directory (the backend's storage_dir)")
+    p.add_argument("--layout", required=True, choices=RAW_LAYOUTS,
+                   help="--hicache-mem-layout of the SGLang server that wrote --src")
+    p.add_argument("--model", required=True,
+                   help="the model name SGLang used (--served-model-name / model path, as in the "
+                        "file names with '/' replaced by '-')")
+    p.add_argument("--tp-size", type=int, default=1, help="SGLang tensor-parallel size")
+    p.add_argument("--tp-rank", type=int, default=None, help="import one TP rank (default: all)")
+    p.add_argument("--pp-size", type=int, default=1, help="SGLang pipeline-parallel size")
+    p.add_argument("--pp-rank", type=int, default=None, help="import one PP rank (default: all)")
+    p.add_argument("--mla", action="store_true",
+                   help="MLA model (one latent per token, shared by TP ranks): give --num-kv-heads 1 "
+                        "and --head-dim kv_lora_rank+qk_rope_head_dim")
+    p.add_argument("--num-layers", type=int, required=True, help="layers of one rank's pages")
+    p.add_argument("--num-kv-heads", type=int, required=True, help="KV heads per TP rank")
+    p.add_argument("--head-dim", type=int, required=True)
+    p.add_argument("--page-size", type=int, required=True, help="tokens per page")
+    p.add_argument("--dtype", default="bfloat16", help="KV cache dtype")
+    p.add_argument("--workers", type=int, default=2, help="I/O worker processes")
+    p.add_argument("--overwrite", action="store_true", help="rewrite pages already in --dst")
+    p.set_defaults(func=cmd_import_sglang)
+    return p
+
+
+def cmd_import_sglang(args, argv=None) -> int:
+    from shm import PageGeometry
+    from hicache_mp.importer import import_sglang_store, shards_for
+
+    geometry = PageGeometry(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
+                            head_dim=args.head_dim, page_size=args.page_size, dtype=args.dtype,
+                            mla=args.mla)
+    shards = shards_for(args.model, tp_size=args.tp_size, tp_rank=args.tp_rank,
+                        pp_size=args.pp_size, pp_rank=args.pp_rank, mla=args.mla)
+    print(f"import-sglang: {args.src} ({args.layout}, {geometry.page_bytes} bytes per page) -> "
+          f"{args.dst}", flush=True)
+    report = import_sglang_store(args.src, args.dst, geometry, args.layout, shards,
+                                 workers=args.workers, overwrite=args.overwrite)
+    for line in report.lines():
+        print(line)
+    return 1 if report.failed else 0
 
 
 def bench_config(args):

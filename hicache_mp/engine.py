@@ -24,6 +24,7 @@ Failure states:
   - it cannot be replaced: the engine is broken (`BrokenPool`), and says so on
     every later call.
 """
+import os
 import time
 import weakref
 
@@ -46,16 +47,35 @@ HEALTH_CHECK_S = 0.1
 class PrefetchEngine(EngineCore):
     backend = "mp"
 
-    def __init__(self, config: EngineConfig, geometry: PageGeometry):
+    def __init__(self, config: EngineConfig, geometry: PageGeometry, *, pool_fd: int | None = None):
+        """`pool_fd`: map this region as the host pool instead of creating one.
+
+        For pools that someone else owns, e.g. SGLang's memfd host pool
+        (hicache_mp.integrations.sglang): the engine keeps its own dup of the
+        descriptor, hands it to every worker (Popen pass_fds), never unlinks or
+        resizes it, and closes the dup on close(). The region must hold at least
+        `geometry.pool_bytes(config.host_pool_pages)` bytes from offset 0.
+        """
         super().__init__(config, geometry)
         self.stale_removed = clean_stale()
         self.tag = new_owner_tag()
         self._segments = []
         self.pool = None
         self.broken: BaseException | None = None
+        self.shared_pool = pool_fd is not None
         try:
+            own_fd = None
+            if pool_fd is not None:
+                own_fd = _OwnedFd(os.dup(pool_fd))
+                self._segments.append(own_fd)  # closed last: segments close in reverse
+                need = geometry.pool_bytes(config.host_pool_pages)
+                have = os.fstat(own_fd.fd).st_size
+                if have < need:
+                    raise ValueError(f"pool_fd holds {have} bytes; the geometry needs {need} "
+                                     f"for {config.host_pool_pages} pages")
             self.host_pool = HostPool(geometry, config.host_pool_pages, name=self.tag + ".pool",
-                                      create=True, populate=config.populate)
+                                      create=own_fd is None, populate=config.populate,
+                                      fd=None if own_fd is None else own_fd.fd)
             self._segments.append(self.host_pool)
             self.control = Control(self.tag + ".ctl", create=True)
             self._segments.append(self.control)
@@ -67,8 +87,11 @@ class PrefetchEngine(EngineCore):
                 "geometry": geometry.to_dict(), "populate": config.populate,
                 "storage_dir": config.storage_dir, "verify_checksum": config.verify_checksum,
                 "write_checksum": config.write_checksum, "fsync": config.fsync,
+                "quarantine_bad_files": config.quarantine_bad_files,
                 "batch": config.worker_batch,
             }
+            if own_fd is not None:
+                worker_config["pool_fd"] = own_fd.fd
             pin = worker_cpus() if config.pin_workers else None
             self.pool = WorkerPool(num_workers=workers, tag=self.tag, control=self.control,
                                    done_sem=self.done_sem.name, worker_config=worker_config,
@@ -153,6 +176,11 @@ class PrefetchEngine(EngineCore):
             log.warning("hicache_mp-worker-%d (pid %d) died with exit code %s; %d in-flight "
                         "page(s) failed; starting a replacement", handle.index, handle.pid,
                         handle.proc.returncode, failed)
+            # A worker killed mid-write leaves its temp file behind (never a page: it
+            # does not end in .page). A rescan, off this thread, reaps temp files of
+            # dead writers now rather than at the next start, and indexes pages it
+            # renamed into place just before dying.
+            self._start_rescan()
             try:
                 self.pool.respawn(handle)
             except BrokenPool as exc:
@@ -163,15 +191,20 @@ class PrefetchEngine(EngineCore):
         self.control.cancel(op.id)
 
     def _sleep_for_completion(self, timeout_s: float) -> None:
-        self.control.words[WAITERS] += 1
-        try:
+        # The lock makes the counter update atomic across waiting threads (SGLang
+        # may block in several) and keeps the rings single-consumer; the sleep
+        # itself happens outside it, with the GIL released.
+        with self._lock:
+            self.control.words[WAITERS] += 1
             # Re-check after announcing ourselves: a completion pushed before the
             # announcement posted nothing. The short cap covers the remaining race.
-            if self._drain():
-                return
-            self.done_sem.wait(min(timeout_s, 0.005))
+            drained = self._drain()
+        try:
+            if not drained:
+                self.done_sem.wait(min(timeout_s, 0.005))
         finally:
-            self.control.words[WAITERS] -= 1
+            with self._lock:
+                self.control.words[WAITERS] -= 1
 
     def _shutdown_io(self) -> None:
         if self.pool is not None:
@@ -199,7 +232,20 @@ class PrefetchEngine(EngineCore):
             "ring_depth": [h.submit.depth() for h in self.pool.workers] if self.pool else [],
             "respawns": self.pool.respawns if self.pool else 0,
             "stale_segments_removed": len(self.stale_removed),
+            "shared_pool": self.shared_pool,
         }
+
+
+class _OwnedFd:
+    """The engine's dup of a caller's pool descriptor; closing it is all it does."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
 
 
 def _cleanup(pool, segments) -> None:

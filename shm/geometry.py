@@ -12,11 +12,19 @@ with kv in {K, V} (one latent buffer for MLA).
   one contiguous run.
 - ``layer_first``: the pool is ``[kv][layer][page*token][head][dim]``; a page is
   ``kv*layers`` runs of ``page_size*heads*dim`` elements, one per (kv, layer).
+  Byte for byte SGLang's MHA/MLA ``layer_first`` host layout.
+- ``page_first_direct``: the pool is ``[kv][page][layer][token][head][dim]``; a
+  page is ``kv`` runs (K, then V). Byte for byte SGLang's ``page_first_direct``
+  host layout; added so workers can read straight into an SGLang host pool
+  (hicache_mp.integrations.sglang). SGLang's own ``page_first`` is token-major
+  (``[kv][token][layer]...``) and is not a few canonical runs, so it has no
+  variant here.
 """
 from dataclasses import dataclass, field
 import hashlib
 
-LAYOUTS = ("page_first", "layer_first")
+# The two engine layouts, plus page_first_direct for SGLang host pools (see above).
+LAYOUTS = ("page_first", "layer_first", "page_first_direct")
 
 # Byte sizes by dtype name, so workers never need torch to do the math.
 DTYPE_SIZES = {
@@ -81,6 +89,8 @@ class PageGeometry:
         kv, layers, tokens, heads, dim = self.page_shape
         if self.layout == "page_first":
             return (num_pages, kv, layers, tokens, heads, dim)
+        if self.layout == "page_first_direct":
+            return (kv, num_pages, layers, tokens, heads, dim)
         return (kv, layers, num_pages * tokens, heads, dim)
 
     def pool_bytes(self, num_pages: int) -> int:
@@ -95,6 +105,9 @@ class PageGeometry:
         """
         if self.layout == "page_first":
             return [(page * self.page_bytes, self.page_bytes)]
+        if self.layout == "page_first_direct":
+            half = self.num_layers * self.run_bytes  # one kv part of one page
+            return [(kv * num_pages * half + page * half, half) for kv in range(self.kv_count)]
         run = self.run_bytes
         stride = num_pages * run  # bytes of one (kv, layer) plane
         return [(plane * stride + page * run, run) for plane in range(self.kv_count * self.num_layers)]

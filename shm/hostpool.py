@@ -4,7 +4,10 @@ Owns the mapping of the pool and the views both sides use: torch views for
 the scheduler (`tensor`, `page_view`), byte iovecs for workers (`page_iovecs`).
 torch is imported lazily, on the scheduler side only. Must not do I/O.
 """
+import os
+
 from .geometry import PageGeometry
+from .names import SHM_DIR
 from .segment import Segment
 
 
@@ -15,6 +18,8 @@ class HostPool:
             raise ValueError(f"host pool needs a positive page count, got {num_pages!r}")
         self.geometry = geometry
         self.num_pages = num_pages
+        if create and fd is None:
+            _check_fits(geometry.pool_bytes(num_pages))
         self.segment = Segment(name, geometry.pool_bytes(num_pages), create=create,
                                populate=populate, fd=fd)
         self._mv = memoryview(self.segment.map)
@@ -48,6 +53,8 @@ class HostPool:
         g = self.geometry
         if g.layout == "page_first":
             return self.tensor[page]
+        if g.layout == "page_first_direct":  # [kv][page][layer][token]...: SGLang's layout
+            return self.tensor[:, page]
         return self.tensor[:, :, page * g.page_size:(page + 1) * g.page_size]
 
     # --- worker side (bytes) ------------------------------------------------
@@ -63,3 +70,20 @@ class HostPool:
         self._tensor = None
         self._mv.release()
         self.segment.close()
+
+
+def _check_fits(nbytes: int) -> None:
+    """Refuse a pool that cannot fit in shared memory, before creating it.
+
+    tmpfs lets ftruncate make a segment far larger than it can hold; the
+    workers' MAP_POPULATE would then exhaust memory (or take a SIGBUS) instead
+    of the caller getting a clear error about an absurd size.
+    """
+    try:
+        vfs = os.statvfs(SHM_DIR)
+    except OSError:
+        return  # no /dev/shm (another platform): nothing to check against
+    free = vfs.f_bavail * vfs.f_frsize
+    if nbytes > free:
+        raise ValueError(f"host pool of {nbytes / 2**30:.2f} GiB does not fit in {SHM_DIR} "
+                         f"({free / 2**30:.2f} GiB free): lower host_pool_pages or the page size")

@@ -142,9 +142,12 @@ class WorkerPool:
         env = dict(os.environ)
         env["PYTHONPATH"] = _PACKAGE_ROOT + os.pathsep + env.get("PYTHONPATH", "")
         try:
+            # pool_fd (an fd-mapped pool such as SGLang's memfd, which is CLOEXEC):
+            # hand exactly that descriptor to the worker, at the same number.
+            pass_fds = (cfg["pool_fd"],) if cfg.get("pool_fd") is not None else ()
             proc = subprocess.Popen(
                 [sys.executable, "-m", "workers.worker", f"hicache_mp-worker-{index}", json.dumps(cfg)],
-                env=env, stdin=subprocess.DEVNULL, close_fds=True)
+                env=env, stdin=subprocess.DEVNULL, close_fds=True, pass_fds=pass_fds)
         except BaseException:
             for r in (submit, completion, wake):
                 r.close()

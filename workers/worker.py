@@ -31,10 +31,15 @@ from shm import PageGeometry, Ring, WakeSemaphore
 from shm.hostpool import HostPool
 from shm.ring import KIND_READ, RECORD_DTYPE
 from workers import naming, pagefile, status
-from workers.storedir import ensure_parent
+from workers.storedir import DIR_MODE, ensure_parent
 from workers.control import BUSY_NS, BYTES, PAGES, READY_PID, WAITERS, Control
 
 PARENT_CHECK_S = 0.25
+
+# Damage that proves the file is not a usable page for anyone under this name.
+# UNREADABLE is left alone: a permission problem or a directory is an
+# operator's business, not proof of a bad page.
+_MOVE_ASIDE = (status.CORRUPT, status.FOREIGN, status.WRONG_KEY)
 
 _WRITE_ERRNO = {
     errno.ENOSPC: status.NOSPACE, errno.EDQUOT: status.NOSPACE, errno.EFBIG: status.NOSPACE,
@@ -64,9 +69,14 @@ class Worker:
         self.verify_crc = cfg.get("verify_checksum", True)
         self.write_crc = cfg.get("write_checksum", False)
         self.fsync = cfg.get("fsync", "none")
+        self.quarantine = cfg.get("quarantine_bad_files", False)
         self.batch = cfg.get("batch", 16)
+        # pool_fd: the pool is a region the engine did not create (SGLang's memfd host
+        # pool, hicache_mp.integrations.sglang), inherited through Popen(pass_fds=...).
+        # Without it the pool is attached by name, as before.
         self.pool = HostPool(self.geometry, cfg["pool_pages"], name=cfg["pool_name"],
-                             create=False, populate=cfg.get("populate", True))
+                             create=False, populate=cfg.get("populate", True),
+                             fd=cfg.get("pool_fd"))
         self.submit = Ring(cfg["submit_ring"], cfg["ring_capacity"], create=False)
         self.completion = Ring(cfg["completion_ring"], cfg["ring_capacity"], create=False)
         self.wake = WakeSemaphore(cfg["wake_sem"], create=False)
@@ -138,21 +148,49 @@ class Worker:
             return status.UNREADABLE, exc.errno or 0
         try:
             want = pagefile.HEADER_SIZE + self.payload_len
-            got = _preadv_full(fd, [self.header, *iovecs, self.overflow], want + 1)
-        except OSError as exc:
-            return status.UNREADABLE, exc.errno or 0
+            try:
+                got = _preadv_full(fd, [self.header, *iovecs, self.overflow], want + 1)
+            except OSError as exc:
+                return status.UNREADABLE, exc.errno or 0
+            code = self._check(got, want, digest, iovecs)
+            if code in _MOVE_ASIDE and self.quarantine:
+                self._move_aside(path, fd, code)  # while fd still names the file we judged
+            return code, 0
         finally:
             os.close(fd)
+
+    def _check(self, got: int, want: int, digest: bytes, iovecs) -> int:
         if got < pagefile.HEADER_SIZE:
-            return status.CORRUPT, 0
+            return status.CORRUPT
         code, crc = pagefile.check_header(self.header, self.payload_len, self.fp, digest)
         if code != status.OK:
-            return code, 0
+            return code
         if got != want:  # truncated or longer than a page: never trust it
-            return status.CORRUPT, 0
+            return status.CORRUPT
         if crc is not None and self.verify_crc and pagefile.payload_crc(iovecs) != crc:
-            return status.CORRUPT, 0
-        return status.OK, 0
+            return status.CORRUPT
+        return status.OK
+
+    def _move_aside(self, path: str, fd: int, code: int) -> None:
+        """Best effort: rename a damaged page file into the quarantine directory.
+
+        Only if `path` still names the file that was read: another engine may
+        have replaced it with a good page since (a narrow race remains; losing
+        it costs one later miss, never wrong bytes).
+        """
+        try:
+            seen, now = os.fstat(fd), os.stat(path)
+            if (seen.st_dev, seen.st_ino) != (now.st_dev, now.st_ino):
+                return
+            qdir = os.path.join(self.root, naming.QUARANTINE_DIR)
+            if qdir not in self.made_dirs:
+                os.makedirs(qdir, mode=DIR_MODE, exist_ok=True)
+                self.made_dirs.add(qdir)
+            self.serial += 1
+            os.rename(path, naming.quarantine_path(self.root, path, status.NAMES[code],
+                                                   self.pid, self.serial))
+        except OSError:
+            pass  # the read is a miss either way
 
     # --- writes -------------------------------------------------------------
     def _write(self, path: str, digest: bytes, iovecs) -> tuple[int, int]:

@@ -1,0 +1,6 @@
+"""Integrations of hicache_mp with inference servers.
+
+`sglang`: `HiCacheMP`, an SGLang HiCache L3 storage backend (loaded by SGLang's
+`dynamic` backend factory). It imports SGLang; nothing else here does, so
+`import hicache_mp` never needs SGLang.
+"""

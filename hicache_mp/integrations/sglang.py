@@ -1,0 +1,554 @@
+"""SGLang HiCache L3 storage backend: hicache_mp behind SGLang's `dynamic` backend.
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic \
+    --hicache-storage-backend-extra-config '{"backend_name":"hicache_mp",
+        "module_path":"hicache_mp.integrations.sglang","class_name":"HiCacheMP",
+        "interface_v1":1,"allocator":"shm","num_workers":8}'
+
+Owns the translation between SGLang's storage calls and `PrefetchEngine`:
+SGLang's factory builds `HiCacheMP(storage_config, kwargs)`, then calls
+`register_mem_pool_host(host_pool)`; only then is the page geometry known, so
+the engine starts there. Must not do page I/O: the engine's workers do.
+
+Two data paths, chosen once per host pool:
+
+    zero-copy  ("allocator":"shm", layout layer_first or page_first_direct)
+        SGLang's host pool is a memfd. The engine dups its fd and hands it to
+        every worker (Popen pass_fds), which maps it and preadv/pwritev's page
+        files straight into/out of SGLang's pool slots. Page byte runs are
+        SGLang's own get_page_buffer_meta() pointers minus the pool base,
+        checked against the geometry at registration.
+
+    staging    (anything else: the default allocator has no fd; SGLang's
+        page_first / page_head layouts are token- or head-major, not a few
+        runs in the canonical [kv][layer][token][head][dim] file order)
+        Workers read into an engine-owned shm pool; a torch copy_ (GIL-free,
+        one per page) moves pages to/from SGLang's pool. One warning says how
+        to get zero-copy. `metrics()["staging_copies"]` counts these copies.
+
+SGLang calls are synchronous: they submit, then block in `engine.wait`,
+which sleeps on a semaphore with the GIL released (no spinning). Page files
+are hicache_mp's (header + canonical payload), so a store is valid for any
+host layout; `hicache-mp import-sglang` converts an SGLang `file` store.
+
+Key namespace: SGLang's `HiCacheFile` suffix rules (see `sglang_names`):
+model name; TP rank/size unless MLA (MLA ranks share pages); PP, CP and DCP
+suffixes. Tested with SGLang 0.5.23 (`.ci/sglang-requirements.txt`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+
+try:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+except ImportError as _exc:  # pragma: no cover - exercised only without SGLang
+    raise ImportError(
+        "hicache_mp.integrations.sglang is an SGLang storage backend and needs SGLang "
+        "(tested with sglang==0.5.23; HiCacheStorage from "
+        "sglang.srt.mem_cache.hicache_storage could not be imported: "
+        f"{_exc}). Install SGLang, or for tests: "
+        "pip install --no-deps -r .ci/sglang-requirements.txt") from _exc
+
+import torch
+
+from shm import PageGeometry
+from workers import naming
+from workers import status as st
+
+from ..config import EngineConfig
+from ..engine import PrefetchEngine
+from ..ops import Op
+from .sglang_layouts import flat_page_view, host_page_view
+from .sglang_names import SGLangShard
+
+log = logging.getLogger("hicache_mp.sglang")
+
+ZERO_COPY_LAYOUTS = ("layer_first", "page_first_direct")
+DEFAULT_STORAGE_DIR = "/tmp/hicache_mp"
+DEFAULT_STAGING_PAGES = 256  # two of SGLang's STORAGE_BATCH_SIZE (128) batches in flight
+HOW_TO_ZERO_COPY = ('For zero-copy start SGLang with "allocator":"shm" in '
+                    '--hicache-storage-backend-extra-config (SGLang >= 0.5.17) and '
+                    '--hicache-mem-layout layer_first or page_first_direct')
+
+
+# --- host pool geometry and views (torch side) --------------------------------
+def pool_geometry(host_pool, is_mla: bool, layout: str = "page_first") -> PageGeometry:
+    """The hicache_mp geometry of an SGLang host pool's pages (MHA or MLA)."""
+    dtype = str(host_pool.dtype).removeprefix("torch.")
+    # The pool's class decides the page shape (MLA pools have kv_cache_dim and no
+    # head_num); the storage config's is_mla_model decides only the namespace.
+    if is_mla and not hasattr(host_pool, "head_num"):
+        dim = getattr(host_pool, "kv_cache_dim", None)
+        if dim is None:
+            dim = host_pool.kv_lora_rank + host_pool.qk_rope_head_dim
+        return PageGeometry(num_layers=int(host_pool.layer_num), num_kv_heads=1, head_dim=int(dim),
+                            page_size=int(host_pool.page_size), dtype=dtype, layout=layout, mla=True)
+    return PageGeometry(num_layers=int(host_pool.layer_num), num_kv_heads=int(host_pool.head_num),
+                        head_dim=int(host_pool.head_dim), page_size=int(host_pool.page_size),
+                        dtype=dtype, layout=layout)
+
+
+def _buffer_address(buf) -> int | None:
+    try:
+        arr = np.frombuffer(buf, dtype=np.uint8, count=1)
+        return int(arr.ctypes.data)
+    except Exception:
+        return None
+
+
+def zero_copy_plan(host_pool, is_mla: bool) -> tuple[PageGeometry | None, str]:
+    """(geometry whose page runs are SGLang's, "") or (None, why not).
+
+    The runs come from SGLang's own get_page_buffer_meta(): pointer minus the
+    pool base, reordered from SGLang's order (MHA: per layer K, V) into the
+    canonical one (all K layers, then all V layers), and must equal the
+    geometry's runs for the first, second and last page.
+    """
+    fd = getattr(host_pool, "fd", None)
+    if fd is None:
+        return None, "the host pool has no file descriptor (SGLang's default allocator)"
+    layout = getattr(host_pool, "layout", None)
+    if layout not in ZERO_COPY_LAYOUTS:
+        return None, (f"host layout {layout!r} is not a few runs in canonical page order "
+                      f"(zero-copy layouts: {', '.join(ZERO_COPY_LAYOUTS)})")
+    try:
+        g = pool_geometry(host_pool, is_mla, layout)
+        num_pages = int(host_pool.page_num)
+        base = int(host_pool.kv_buffer.data_ptr())
+        mms = getattr(getattr(host_pool, "allocator", None), "mms", None) or []
+        if mms:  # the fd's mapping must start where the pool starts
+            start = _buffer_address(mms[0])
+            if start is not None and start != base:
+                return None, f"the host pool starts {base - start} bytes into its memfd"
+        size = os.fstat(fd).st_size
+        if size < g.pool_bytes(num_pages):
+            return None, f"the memfd holds {size} bytes, the pool needs {g.pool_bytes(num_pages)}"
+        P = g.page_size
+        for page in sorted({0, min(1, num_pages - 1), num_pages - 1}):
+            ptrs, sizes = host_pool.get_page_buffer_meta(torch.arange(page * P, (page + 1) * P))
+            runs = [(int(p) - base, int(s)) for p, s in zip(ptrs, sizes)]
+            if g.kv_count == 2:
+                runs = runs[0::2] + runs[1::2]
+            if runs != g.page_runs(page, num_pages):
+                return None, (f"SGLang's page-buffer metadata for page {page} does not match "
+                              f"the {layout} geometry")
+    except Exception as exc:  # an unfamiliar pool: never guess offsets
+        return None, f"cannot read the host pool's page-buffer metadata ({exc!r})"
+    return g, ""
+
+
+class _Staging:
+    """An engine with its own shm pool, plus a free list of its slots."""
+
+    def __init__(self, engine: PrefetchEngine):
+        self.engine = engine
+        self.free = list(range(engine.config.host_pool_pages))
+        self.cond = threading.Condition()
+
+    def take(self, n: int) -> list[int]:
+        n = min(n, self.engine.config.host_pool_pages)
+        with self.cond:
+            while not self.free:
+                self.cond.wait()
+            slots, self.free = self.free[:n], self.free[n:]
+            return slots
+
+    def give(self, slots) -> None:
+        with self.cond:
+            self.free.extend(slots)
+            self.cond.notify_all()
+
+
+class HiCacheMP(HiCacheStorage):
+    """hicache_mp as an SGLang HiCache storage backend (see the module docstring).
+
+    Extra-config keys (all optional): `storage_dir` (else `file_storage_path`,
+    else $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else /tmp/hicache_mp),
+    `num_workers` (0 = auto), `staging_pages`, `io_timeout_s`, `fsync`,
+    `write_checksum`, `verify_checksum`, `pin_workers`, `rescan_interval_s`,
+    `zero_copy` (false forces the staging path).
+    """
+
+    def __init__(self, storage_config, kwargs=None):
+        self.storage_config = storage_config
+        self.extra = dict(getattr(storage_config, "extra_config", None) or {})
+        self.shard = SGLangShard.from_storage_config(storage_config)
+        self.is_mla = self.shard.is_mla
+        self.storage_dir = (self.extra.get("storage_dir") or self.extra.get("file_storage_path")
+                            or os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR")
+                            or DEFAULT_STORAGE_DIR)
+        self.io_timeout_s = self.extra.get("io_timeout_s")
+        self.mem_pool_host = None
+        self.engine: PrefetchEngine | None = None
+        self.zero_copy = False
+        self.fallback_reason = ""
+        self.geometry: PageGeometry | None = None
+        self._staging: _Staging | None = None          # the staging path (main or legacy)
+        self._lock = threading.Lock()
+        self._counts = {"staging_copies": 0, "staging_copy_bytes": 0, "get_calls": 0,
+                        "set_calls": 0, "exists_stat_hits": 0}
+        self._stats = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
+                       "backup_bandwidth": []}
+        self._warned: set[str] = set()
+
+    # --- attach -------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self.close()  # a re-attach replaces the engine
+        g, why = zero_copy_plan(mem_pool_host, self.is_mla)
+        if g is not None and self.extra.get("zero_copy", True) is False:
+            g, why = None, '"zero_copy": false in the extra-config'
+        if g is not None:
+            self.engine = PrefetchEngine(self._config(int(mem_pool_host.page_num)), g,
+                                         pool_fd=mem_pool_host.fd)
+            self.zero_copy, self.geometry, self.fallback_reason = True, g, ""
+            log.info("hicache_mp: zero-copy into SGLang's %s host pool (%d pages of %d bytes, "
+                     "%d workers, store %s)", g.layout, mem_pool_host.page_num, g.page_bytes,
+                     len(self.engine.pool), self.storage_dir)
+            return
+        self.fallback_reason = why
+        self.geometry = pool_geometry(mem_pool_host, self.is_mla)
+        pages = int(self.extra.get("staging_pages", DEFAULT_STAGING_PAGES))
+        self._staging = _Staging(PrefetchEngine(self._config(pages), self.geometry))
+        self.engine = self._staging.engine
+        log.warning("hicache_mp: not zero-copy: %s; pages are staged through an engine-owned "
+                    "shared-memory pool and copied (one extra copy per page). %s.",
+                    why, HOW_TO_ZERO_COPY)
+
+    def _config(self, pages: int) -> EngineConfig:
+        x = self.extra
+        mla_shared = self.is_mla and self.shard.tp_size > 1
+        return EngineConfig(
+            storage_dir=self.storage_dir, num_workers=int(x.get("num_workers", 0)),
+            host_pool_pages=pages, pin_workers=bool(x.get("pin_workers", False)),
+            fsync=x.get("fsync", "none"), write_checksum=bool(x.get("write_checksum", False)),
+            verify_checksum=bool(x.get("verify_checksum", True)),
+            # MLA: only rank 0 writes; the other ranks find its pages by a stat on miss
+            # (batch_exists) and by this periodic rescan.
+            rescan_interval_s=float(x.get("rescan_interval_s", 5.0 if mla_shared else 0.0)),
+            **self.shard.engine_names())
+
+    def _need_engine(self) -> PrefetchEngine:
+        if self.engine is None:
+            raise RuntimeError("hicache_mp: register_mem_pool_host() has not been called "
+                               "(SGLang calls it right after constructing the backend)")
+        return self.engine
+
+    # --- v1 (zero-copy interface, "interface_v1": 1) ------------------------
+    def batch_exists(self, keys, extra_info=None) -> int:
+        """How many leading keys have a page in the store."""
+        eng = self._need_engine()
+        keys = list(keys)
+        n = 0
+        while n < len(keys):
+            n += eng.exists(keys[n:])
+            if n == len(keys) or not self._found_on_disk(eng, keys[n]):
+                break
+            n += 1
+        return n
+
+    def _found_on_disk(self, eng: PrefetchEngine, key) -> bool:
+        """One stat for the first key the index misses: another process (an MLA
+        writer rank, another server on a shared directory) may have written it."""
+        digest = naming.key_digest(key, eng.namespace)
+        if os.path.exists(naming.page_path(eng.config.storage_dir, digest)):
+            eng.index.add(digest)
+            with self._lock:
+                self._counts["exists_stat_hits"] += 1
+            return True
+        return False
+
+    def batch_get_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
+        keys = list(keys)
+        if not keys:
+            return []
+        pages = self._host_pages(keys, host_indices)
+        t0 = time.perf_counter()
+        if self.zero_copy:
+            op = self.engine.prefetch(keys, pages, policy="wait_complete")
+            self._wait_on(self.engine, op)
+            ok = op.completed_pages
+        else:
+            ok = self._staged_get(keys, pages)
+        self._record("prefetch", ok, t0)
+        return [i < ok for i in range(len(keys))]
+
+    def batch_set_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
+        keys = list(keys)
+        if not keys:
+            return []
+        pages = self._host_pages(keys, host_indices)
+        eng = self.engine
+        present = [naming.key_digest(k, eng.namespace) in eng.index.digests for k in keys]
+        todo = [i for i, p in enumerate(present) if not p]
+        ok = np.array(present, dtype=bool)
+        t0 = time.perf_counter()
+        if todo:
+            tkeys, tpages = [keys[i] for i in todo], pages[todo]
+            if self.zero_copy:
+                op = eng.backup(tkeys, tpages)
+                self._wait_on(eng, op)
+                done = op.page_status == st.OK
+            else:
+                done = self._staged_set(tkeys, tpages)
+            ok[todo] = done
+        lead = len(keys) if ok.all() else int(np.argmin(ok))
+        self._record("backup", len(todo) if lead == len(keys) else 0, t0)
+        return [i < lead for i in range(len(keys))]
+
+    def _host_pages(self, keys, host_indices) -> np.ndarray:
+        self._need_engine()
+        P = self.geometry.page_size
+        idx = host_indices.cpu().numpy() if isinstance(host_indices, torch.Tensor) \
+            else np.asarray(host_indices)
+        if idx.ndim != 1 or len(idx) != len(keys) * P:
+            raise ValueError(f"hicache_mp: {len(keys)} keys need {len(keys) * P} host indices "
+                             f"(page size {P}), got shape {tuple(idx.shape)}")
+        starts = idx[::P].astype(np.int64)
+        if (starts % P).any():
+            raise ValueError("hicache_mp: a page's host indices do not start on a page boundary")
+        return starts // P
+
+    # --- the staging path -----------------------------------------------------
+    def _staging_path(self) -> _Staging:
+        if self._staging is None:  # zero-copy mode, and a legacy call came in
+            with self._lock:
+                if self._staging is None:
+                    self._warn_once("legacy", "hicache_mp: SGLang called the legacy (non-v1) API; "
+                                    "set \"interface_v1\": 1 in the extra-config so pages move "
+                                    "zero-copy. Staging these through a second engine.")
+                    cfg = self._config(int(self.extra.get("staging_pages", DEFAULT_STAGING_PAGES)))
+                    cfg.num_workers = 1
+                    self._staging = _Staging(PrefetchEngine(cfg, self.geometry.with_layout("page_first")))
+        return self._staging
+
+    def _copy(self, dst, src) -> None:
+        dst.copy_(src)  # torch releases the GIL for the copy
+        with self._lock:
+            self._counts["staging_copies"] += 1
+            self._counts["staging_copy_bytes"] += self.geometry.page_bytes
+
+    def _staged_get(self, keys, pages) -> int:
+        """Read into staging slots, copy the leading landed pages to SGLang's pool."""
+        stg = self._staging_path()
+        done = 0
+        while done < len(keys):
+            slots = stg.take(len(keys) - done)
+            try:
+                n = len(slots)
+                op = stg.engine.prefetch(keys[done:done + n], slots, policy="wait_complete")
+                self._wait_on(stg.engine, op)
+                landed = op.completed_pages
+                for j in range(landed):
+                    self._copy(host_page_view(self.mem_pool_host, int(pages[done + j]), self.is_mla),
+                               stg.engine.host_pool.page_view(slots[j]))
+            finally:
+                stg.give(slots)
+            done += landed
+            if landed < n:
+                break
+        return done
+
+    def _staged_set(self, keys, pages) -> np.ndarray:
+        stg = self._staging_path()
+        ok = np.zeros(len(keys), dtype=bool)
+        done = 0
+        while done < len(keys):
+            slots = stg.take(len(keys) - done)
+            try:
+                n = len(slots)
+                for j in range(n):
+                    self._copy(stg.engine.host_pool.page_view(slots[j]),
+                               host_page_view(self.mem_pool_host, int(pages[done + j]), self.is_mla))
+                op = stg.engine.backup(keys[done:done + n], slots)
+                self._wait_on(stg.engine, op)
+                ok[done:done + n] = op.page_status == st.OK
+            finally:
+                stg.give(slots)
+            self._index_written(keys[done:done + n], ok[done:done + n], stg.engine)
+            done += n
+        return ok
+
+    def _wait_on(self, eng: PrefetchEngine, op: Op) -> None:
+        """Block (semaphore, GIL released; never a spin) until the op is done. On
+        io_timeout_s, cancel, then still wait for the pages in flight: a worker may
+        write a host slot until then, and SGLang reuses slots once we return."""
+        if self.io_timeout_s is not None and not eng.wait(op, float(self.io_timeout_s)):
+            eng.cancel(op)
+        eng.wait(op)
+
+    def _index_written(self, keys, ok, writer: PrefetchEngine) -> None:
+        """Pages written by the legacy staging engine are known to the main one too."""
+        if self.engine is not None and writer is not self.engine:
+            for key, good in zip(keys, ok):
+                if good:
+                    self.engine.index.add(naming.key_digest(key, self.engine.namespace))
+
+    # --- legacy API (SGLang without interface_v1) ---------------------------
+    def get(self, key, target_location=None, target_sizes=None):
+        out = self.batch_get([key], None if target_location is None else [target_location])
+        return out[0]
+
+    def batch_get(self, keys, target_locations=None, target_sizes=None):
+        """Pages as flat tensors in the host layout's page order (SGLang's
+        get_dummy_flat_data_page / set_from_flat_data_page convention); None = miss."""
+        keys = list(keys)
+        if not keys:
+            return []
+        self._need_engine()
+        stg = self._staging_path()
+        g, layout = self.geometry, self.mem_pool_host.layout
+        out = [None] * len(keys)
+        t0 = time.perf_counter()
+        done = 0
+        while done < len(keys):
+            slots = stg.take(len(keys) - done)
+            try:
+                n = len(slots)
+                op = stg.engine.prefetch(keys[done:done + n], slots, policy="wait_complete")
+                self._wait_on(stg.engine, op)
+                for j in np.flatnonzero(op.page_status == st.OK).tolist():
+                    i = done + j
+                    if target_locations is not None and target_locations[i] is not None:
+                        target = target_locations[i]
+                    else:
+                        target = torch.empty(g.page_bytes // g.itemsize, dtype=getattr(torch, g.dtype))
+                    self._copy(flat_page_view(target, layout, g), stg.engine.host_pool.page_view(slots[j]))
+                    out[i] = target
+            finally:
+                stg.give(slots)
+            done += n
+        self._record("prefetch", sum(t is not None for t in out), t0)
+        return out
+
+    def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
+        keys = list(keys)
+        if not keys:
+            return True
+        if values is None or len(values) != len(keys):
+            raise ValueError("hicache_mp: batch_set needs one flat page tensor per key")
+        self._need_engine()
+        stg = self._staging_path()
+        g, layout = self.geometry, self.mem_pool_host.layout
+        ok_all = True
+        t0 = time.perf_counter()
+        done = 0
+        while done < len(keys):
+            slots = stg.take(len(keys) - done)
+            try:
+                n = len(slots)
+                for j in range(n):
+                    flat = values[done + j].contiguous().view(-1)
+                    if flat.numel() * flat.element_size() != g.page_bytes:
+                        raise ValueError(f"hicache_mp: a page holds {g.page_bytes} bytes, got "
+                                         f"{flat.numel() * flat.element_size()}")
+                    self._copy(stg.engine.host_pool.page_view(slots[j]), flat_page_view(flat, layout, g))
+                op = stg.engine.backup(keys[done:done + n], slots)
+                self._wait_on(stg.engine, op)
+                ok = op.page_status == st.OK
+                ok_all = ok_all and bool(ok.all())
+            finally:
+                stg.give(slots)
+            self._index_written(keys[done:done + n], ok, stg.engine)
+            done += n
+        self._record("backup", len(keys) if ok_all else 0, t0)
+        return ok_all
+
+    def exists(self, key) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # --- housekeeping -----------------------------------------------------------
+    def clear(self) -> bool:
+        """Remove every page file of the store directory (as SGLang's `file` backend
+        clears its directory). Other files are left alone."""
+        root = self.storage_dir
+        removed = 0
+        for top in _subdirs(root):
+            for sub in _subdirs(top):
+                for name in os.listdir(sub):
+                    if naming.digest_from_name(name) is not None:
+                        try:
+                            os.unlink(os.path.join(sub, name))
+                            removed += 1
+                        except FileNotFoundError:
+                            pass
+        for eng in self._engines():
+            eng.index.digests.clear()
+        log.info("hicache_mp: cleared %d pages from %s", removed, root)
+        return True
+
+    def metrics(self) -> dict:
+        """The engine's metrics, plus the adapter's: zero_copy, staging copies."""
+        out = dict(self.engine.metrics()) if self.engine is not None else {}
+        with self._lock:
+            out.update(self._counts)
+        out["zero_copy"] = self.zero_copy
+        out["fallback_reason"] = self.fallback_reason
+        out["layout"] = getattr(self.mem_pool_host, "layout", None)
+        return out
+
+    def get_stats(self):
+        """SGLang's StorageMetrics (pages and GB/s per call since the last poll),
+        or None where SGLang's metrics module cannot be imported."""
+        with self._lock:
+            stats = {k: list(v) for k, v in self._stats.items()}
+            for v in self._stats.values():
+                v.clear()
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+        except Exception:
+            try:
+                from sglang.srt.metrics.collector import StorageMetrics  # SGLang <= 0.5.9
+            except Exception:
+                return None
+        m = StorageMetrics()
+        for k, v in stats.items():
+            getattr(m, k).extend(v)
+        return m
+
+    def _record(self, kind: str, pages: int, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self._counts["get_calls" if kind == "prefetch" else "set_calls"] += 1
+            self._stats[f"{kind}_pgs"].append(pages)
+            gb = pages * (self.geometry.page_bytes if self.geometry else 0) / 1e9
+            self._stats[f"{kind}_bandwidth"].append(gb / dt if dt > 0 else 0.0)
+
+    def _warn_once(self, cause: str, msg: str) -> None:
+        if cause not in self._warned:
+            self._warned.add(cause)
+            log.warning(msg)
+
+    def _engines(self) -> list[PrefetchEngine]:
+        engines = [self.engine] if self.engine is not None else []
+        if self._staging is not None and self._staging.engine is not self.engine:
+            engines.append(self._staging.engine)
+        return engines
+
+    def close(self) -> None:
+        """Stop the workers and release every segment (SGLang calls this on detach)."""
+        for eng in self._engines():
+            eng.close()
+        self.engine, self._staging, self.zero_copy = None, None, False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _subdirs(path: str) -> list[str]:
+    try:
+        with os.scandir(path) as it:
+            return [e.path for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
