@@ -36,16 +36,14 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def worker_cpus() -> list[int]:
     """CPUs for pinned workers: all we may run on, minus the scheduler's core.
 
-    The scheduler keeps the CPU it runs on now *and its hyperthread siblings*:
-    a worker on a sibling shares the core's pipeline and slows the scheduler's
-    Python loop about as much as sharing the CPU itself. The scheduler is then
-    thread (only the calling thread: os.sched_setaffinity(0)) is then pinned
-    to that core so the two sets stay apart; other threads of the process
-    keep every CPU.
+    The core the caller runs on now, and its hyperthread siblings, are kept
+    free: a worker on a sibling shares the core's pipeline and slows the
+    scheduler's Python loop about as much as sharing the CPU itself. The
+    caller's own affinity is left alone (threads inherit it, so pinning the
+    scheduler here would also confine every thread it starts later); pin the
+    scheduler with `taskset` if the OS keeps moving it.
     """
-    import psutil
-    me = psutil.Process()
-    allowed = sorted(me.cpu_affinity())
+    allowed = sorted(os.sched_getaffinity(0))
     cpu = os.sched_getcpu() if hasattr(os, "sched_getcpu") else allowed[0]
     keep = {cpu}
     try:
@@ -54,13 +52,7 @@ def worker_cpus() -> list[int]:
     except OSError:
         pass
     rest = [c for c in allowed if c not in keep]
-    if not rest:
-        return allowed
-    try:
-        os.sched_setaffinity(0, keep & set(allowed))
-    except OSError:
-        pass
-    return rest
+    return rest or allowed
 
 
 def _parse_cpu_list(text: str) -> list[int]:
