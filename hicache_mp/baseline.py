@@ -108,7 +108,8 @@ class ThreadedFileEngine(EngineCore):
     def _submit(self, op: Op) -> None:
         q = self._queues[op.kind]
         for pos in range(op.num_pages):
-            q.put((op, pos))
+            if op.page_status[pos] == st.PENDING:  # not dropped over the backup budget
+                q.put((op, pos))
 
     def _drain(self) -> int:
         n = 0

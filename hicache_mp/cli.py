@@ -17,7 +17,7 @@ seconds, rates in GB/s = 1e9 bytes/s, lengths in tokens):
     schema        "hicache_mp.bench/1"
     created       local time, ISO 8601
     command       argv of this invocation
-    config        runs, num_requests, seed, quick, prompt_scale (1.0 full,
+    config        runs, num_requests, seed, quick, device_load, prompt_scale (1.0 full,
                   0.1 --quick), time_scale (every duration: 1.0 full, 0.2
                   --quick), page_size, layout, dtype,
                   workers (0 = auto), policy, timeout_s, yield_ms,
@@ -42,8 +42,10 @@ seconds, rates in GB/s = 1e9 bytes/s, lengths in tokens):
                   served from the cache / prompt tokens)
       extra       prefetch_gbps_mean, prefetch_gbps_p10 (per prefetch op:
                   landed bytes / submit-to-done time), loop_iters_per_s,
-                  backup_gbps (mean per write-back op); null where a run
-                  moved no bytes (none)
+                  backup_gbps (mean per write-back op), h2d_after_io_ms_mean
+                  (last page landed -> all its pages seen on the device;
+                  null without --device-load); null where a run moved no
+                  bytes (none)
       prefetch    ops, pages, ok_pages, bytes, gbps_mean, gbps_p10,
                   gbps_per_op [..], seconds_mean, statuses {ok: n, ...}
       backup      the same fields for write-backs, plus skipped_pages
@@ -121,6 +123,12 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
                         "(needs matplotlib: pip install -e .[plot])")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the byte check of each request's first prefetched page")
+    p.add_argument("--device-load", choices=("auto", "on", "off"), default="auto",
+                   help="load prefetched pages into a device KV cache through DeviceLoader "
+                        "before a request's first prefill chunk (file and mp runs): auto = "
+                        "when CUDA is available; on = also on the CPU fallback; off = never")
+    from hicache_mp.config import add_engine_flags
+    add_engine_flags(p)  # --hicache-mp-direct-io, --hicache-mp-fsync, capacity, backup budget
     p.set_defaults(func=cmd_bench)
     return p
 
@@ -192,6 +200,7 @@ def cmd_import_sglang(args, argv=None) -> int:
 
 def bench_config(args):
     """BenchConfig from parsed `bench` arguments."""
+    from hicache_mp.config import engine_options
     from hicache_mp.sim.bench import ALL_RUNS, BenchConfig
     backend = args.hicache_storage_backend
     if backend == "all":
@@ -211,7 +220,8 @@ def bench_config(args):
                        policy=args.hicache_storage_prefetch_policy,
                        timeout_s=args.prefetch_timeout_s, yield_ms=yield_ms,
                        storage_dir=args.storage_dir, host_pool_pages=args.host_pool_pages,
-                       verify=not args.no_verify)
+                       verify=not args.no_verify, device_load=args.device_load,
+                       engine_options=engine_options(args))  # storage flags, every engine
 
 
 def cmd_bench(args, argv=None) -> int:

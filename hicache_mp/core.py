@@ -9,6 +9,16 @@ through `_apply`.
 Host slots named in an op are reserved from submit until the op is `done`
 (every page accounted for), because an I/O may still be writing into them;
 a second op naming a reserved slot is refused with ValueError.
+
+Backups never hold more than `backup_budget_pages` host pages at once: the
+pages of a backup that do not fit end at once with status DROPPED (counted in
+`metrics()["write_status"]`, logged once), the leading ones are written. A
+write-back that cannot keep up is thus shed at the door, never queued, and
+`backup()` never waits.
+
+Pages of ops in flight are pinned (`_pins`, a counting table by digest;
+workers.control): the evictor never removes a pinned page. One vectorised add
+per op and one decrement per completed page, no syscalls.
 """
 import logging
 import os
@@ -20,6 +30,7 @@ import numpy as np
 from shm import PageGeometry
 from workers import naming
 from workers import status as st
+from workers.control import PIN_SLOTS, pin_slots
 
 from .config import POLICIES, EngineConfig
 from .index import StoreIndex
@@ -75,6 +86,10 @@ class EngineCore:
         self._busy_since = {READ: 0, WRITE: 0}
         self._in_flight = {READ: 0, WRITE: 0}
         self._poll_calls = 0
+        self._write_pages = 0          # host pages held by backups in flight (the budget's count)
+        self._backup_budget = config.resolved_backup_budget()
+        self._pins = np.zeros(PIN_SLOTS, dtype=np.uint64)  # the mp engine shares its own
+        self._seq = 0                  # completions seen, in order (Op.landed_seq)
         self.loader = None
 
     # --- public API -----------------------------------------------------------
@@ -224,6 +239,17 @@ class EngineCore:
             if self._in_flight[kind] == 0:
                 self._busy_since[kind] = op.submit_ns
             self._in_flight[kind] += 1
+            op.pin_slots = pin_slots(np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(-1, 32))
+            np.add.at(self._pins, op.pin_slots, 1)
+            if kind == WRITE:
+                room = max(0, self._backup_budget - self._write_pages)
+                self._write_pages += op.num_pages
+                if room < op.num_pages:
+                    now = time.perf_counter_ns()
+                    for pos in range(room, op.num_pages):  # the tail; the leading pages go
+                        self._apply(op, pos, st.DROPPED, 0, 0, now)
+                    if op.done:
+                        return op
             self._submit(op)
             return op
 
@@ -256,6 +282,11 @@ class EngineCore:
         if op.page_status[pos] != st.PENDING:
             return
         self._reserved[op.host_pages[pos]] = False
+        self._pins[op.pin_slots[pos]] -= 1
+        if op.kind == WRITE:
+            self._write_pages -= 1
+        op.landed_seq[pos] = self._seq
+        self._seq += 1
         self._counts[op.kind][code] += 1
         if code == st.OK:
             if op.kind == WRITE:
@@ -278,7 +309,11 @@ class EngineCore:
         if cause in self._logged_causes:
             return
         self._logged_causes.add(cause)
-        detail = f" ({os.strerror(err)})" if err else ""
+        if code == st.DROPPED:  # two causes: the backup budget (errno 0), storage limits (ENOSPC)
+            detail = (f" ({os.strerror(err)}: over the storage limits)" if err else
+                      f" (over backup_budget_pages={self._backup_budget})")
+        else:
+            detail = f" ({os.strerror(err)})" if err else ""
         log.warning("hicache_mp %s: %s%s; later pages with this cause are counted in "
                     "metrics(), not logged", kind, st.NAMES[code], detail)
 

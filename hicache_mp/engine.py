@@ -9,8 +9,19 @@
     poll() every loop     ──► pop completion rings (counters + small        file straight into
                               records), advance ops, free slots ◄────────── the pool slot)
     op.completed_pages        leading pages landed, in order
-    backup(keys, slots)   ──► same road; workers write temp + rename
+    backup(keys, slots)   ──► same road, on each worker's write ring (served
+                              after its read ring); pages over the backup
+                              budget end DROPPED at once; workers write
+                              temp + rename (O_DIRECT when the store allows)
     close()               ──► pool shutdown protocol, unlink every segment
+
+    with storage limits:      EvictorProcess (workers.evictor) keeps the store
+                              under them; poll() pops its evict ring and the
+                              index forgets those pages
+
+Direct I/O is decided once, at start (workers.directio.resolve): off, or the
+store's filesystem accepts O_DIRECT and the geometry's page runs are 4096-byte
+aligned; otherwise buffered, logged once.
 
 The scheduler never blocks and never touches page bytes here. Every segment
 and semaphore is named ``hicache_mp.<pid>.<random>.*`` and unlinked by
@@ -33,8 +44,10 @@ import numpy as np
 from shm import PageGeometry, WakeSemaphore, clean_stale, new_owner_tag
 from shm.hostpool import HostPool
 from shm.ring import KIND_READ, KIND_WRITE, RECORD_DTYPE
+from workers import directio, pagefile
 from workers import status as st
-from workers.control import BUSY_NS, BYTES, PAGES, WAITERS, Control
+from workers.control import BUSY_NS, BYTES, MAX_BYTES, MIN_FREE, PAGES, STOP, WAITERS, Control
+from workers.evictor import EvictorProcess, headroom_bytes
 from workers.pool import BrokenPool, WorkerPool, worker_cpus
 
 from .config import EngineConfig
@@ -61,8 +74,17 @@ class PrefetchEngine(EngineCore):
         self.tag = new_owner_tag()
         self._segments = []
         self.pool = None
+        self.evictor = None
         self.broken: BaseException | None = None
         self.shared_pool = pool_fd is not None
+        self.direct_io, self.direct_io_reason = directio.resolve(
+            config.direct_io, config.storage_dir, geometry, config.host_pool_pages,
+            config.storage_max_bytes)
+        if config.direct_io != "off":
+            # One line per engine: a filesystem that refuses is worth a warning; an
+            # unaligned geometry (small test pages) is expected, so only info.
+            fs_refused = self.direct_io_reason.startswith("buffered I/O: O_DIRECT on")
+            (log.warning if fs_refused else log.info)("hicache_mp: %s", self.direct_io_reason)
         try:
             own_fd = None
             if pool_fd is not None:
@@ -79,16 +101,39 @@ class PrefetchEngine(EngineCore):
             self._segments.append(self.host_pool)
             self.control = Control(self.tag + ".ctl", create=True)
             self._segments.append(self.control)
+            self._pins = self.control.pins  # the evictor reads the same table
             self.done_sem = WakeSemaphore(self.tag + ".done", create=True)
             self._segments.append(self.done_sem)
             workers = config.resolved_workers()
+            capacity = {}
+            if config.capacity_limited:
+                file_bytes = pagefile.HEADER_SIZE + geometry.page_bytes
+                headroom = headroom_bytes(config.storage_max_bytes, config.storage_min_free_bytes,
+                                          file_bytes)
+                if config.storage_max_bytes and config.storage_max_bytes < 2 * headroom + file_bytes:
+                    raise ValueError(f"storage_max_bytes={config.storage_max_bytes} holds too few "
+                                     f"pages of {file_bytes} bytes; give it at least "
+                                     f"{2 * headroom + file_bytes}")
+                self.control.words[MAX_BYTES] = config.storage_max_bytes
+                self.control.words[MIN_FREE] = config.storage_min_free_bytes
+                self.evictor = EvictorProcess(tag=self.tag, control=self.control,
+                                              storage_dir=config.storage_dir,
+                                              interval_s=config.eviction_interval_s,
+                                              headroom=headroom)
+                self._segments.append(self.evictor)
+                self.evictor.start(config.worker_start_timeout_s)
+                capacity = {"capacity": True, "evict_sem": self.evictor.wake.name,
+                            "evict_headroom": headroom,
+                            "orphan_extra_shm": [self.evictor.ring.name],
+                            "orphan_extra_sem": [self.evictor.wake.name]}
             worker_config = {
                 "pool_name": self.host_pool.name, "pool_pages": config.host_pool_pages,
                 "geometry": geometry.to_dict(), "populate": config.populate,
                 "storage_dir": config.storage_dir, "verify_checksum": config.verify_checksum,
                 "write_checksum": config.write_checksum, "fsync": config.fsync,
                 "quarantine_bad_files": config.quarantine_bad_files,
-                "batch": config.worker_batch,
+                "batch": config.worker_batch, "direct_io": self.direct_io,
+                "reads_per_write": config.reads_per_write, "num_workers": workers, **capacity,
             }
             if own_fd is not None:
                 worker_config["pool_fd"] = own_fd.fd
@@ -124,10 +169,19 @@ class PrefetchEngine(EngineCore):
         self._rr = (start + n) % nw
         op.worker_of = ((np.arange(n) + start) % nw).astype(np.uint16)
         rejected = []
+        writes = op.kind != READ
+        if writes and (op.page_status != st.PENDING).any():
+            todo = op.page_status == st.PENDING  # pages over the backup budget are already dropped
+        else:
+            todo = None
         for offset in range(min(n, nw)):
             handle = workers[(start + offset) % nw]
             share = recs[offset::nw]
-            pushed = handle.submit.push(share)
+            if todo is not None:
+                share = share[todo[offset::nw]]
+                if not len(share):
+                    continue
+            pushed = (handle.write if writes else handle.submit).push(share)
             if pushed:
                 handle.wake.post()
             if pushed < len(share):
@@ -144,6 +198,10 @@ class PrefetchEngine(EngineCore):
         for handle in self.pool.workers:
             if handle.completion.pending():  # most polls find nothing: keep them to a load each
                 n += self._drain_ring(handle.completion)
+        if self.evictor is not None and self.evictor.ring.pending():
+            discard = self.index.digests.discard
+            for digest in self.evictor.pop()["digest"]:
+                discard(digest.tobytes())
         if time.monotonic() - self._last_health > HEALTH_CHECK_S:
             self._last_health = time.monotonic()
             self._replace_dead()
@@ -164,6 +222,11 @@ class PrefetchEngine(EngineCore):
         return len(recs)
 
     def _replace_dead(self) -> None:
+        if self.evictor is not None and not self.evictor.alive() and not self.pool.closed:
+            log.warning("hicache_mp-evictor died with exit code %s; starting a replacement",
+                        self.evictor.proc.returncode if self.evictor.proc else None)
+            self.evictor.respawns += 1
+            self.evictor.start(self.config.worker_start_timeout_s)
         for handle in self.pool.dead():
             self._drain_ring(handle.completion)  # what it finished before dying still counts
             now = time.perf_counter_ns()
@@ -207,6 +270,7 @@ class PrefetchEngine(EngineCore):
                 self.control.words[WAITERS] -= 1
 
     def _shutdown_io(self) -> None:
+        self.control.words[STOP] = 1  # the evictor watches it too
         if self.pool is not None:
             self.pool.stop()
             for handle in self.pool.workers:  # pages finished before the stop still count
@@ -229,8 +293,18 @@ class PrefetchEngine(EngineCore):
             "worker_busy": [round(int(s[BUSY_NS]) / 1e9 / wall, 4) if wall else 0.0 for s in stats],
             "worker_pages": [int(s[PAGES]) for s in stats],
             "worker_bytes": [int(s[BYTES]) for s in stats],
-            "ring_depth": [h.submit.depth() for h in self.pool.workers] if self.pool else [],
+            "ring_depth": [h.submit.depth() + h.write.depth() for h in self.pool.workers]
+            if self.pool else [],
+            "write_ring_depth": [h.write.depth() for h in self.pool.workers] if self.pool else [],
             "respawns": self.pool.respawns if self.pool else 0,
+            "direct_io": self.direct_io,
+            "direct_io_reason": self.direct_io_reason,
+            "backup_budget_pages": self._backup_budget,
+            "backup_pages_held": self._write_pages,
+            "evicted_pages": self.evictor.evicted_pages if self.evictor else 0,
+            "evicted_bytes": self.evictor.evicted_bytes if self.evictor else 0,
+            "store_bytes_estimate": self.control.store_estimate()
+            if self.evictor and not self._closed else None,
             "stale_segments_removed": len(self.stale_removed),
             "shared_pool": self.shared_pool,
         }

@@ -17,7 +17,7 @@ class Op:
     __slots__ = ("id", "kind", "keys", "host_pages", "digests", "num_pages", "page_status",
                  "worker_of", "policy", "deadline", "_lead", "_remaining", "_cancelled",
                  "_frozen_lead", "submit_ns", "done_ns", "first_ns", "io_ns", "ok_pages",
-                 "page_bytes", "landed_ns", "device_event")
+                 "page_bytes", "landed_ns", "device_event", "pin_slots", "landed_seq")
 
     def __init__(self, op_id: int, kind: str, keys, host_pages: np.ndarray, digests: list,
                  page_bytes: int, policy: str, timeout_s: float):
@@ -42,6 +42,10 @@ class Op:
         self.ok_pages = 0
         self.page_bytes = page_bytes
         self.landed_ns = np.zeros(self.num_pages, dtype=np.int64)  # for profiling
+        # Engine-wide order in which pages completed (one worker's completions
+        # arrive in the order it did them): shows read-over-write priority.
+        self.landed_seq = np.full(self.num_pages, -1, dtype=np.int64)
+        self.pin_slots = None  # set by the engine at submit
         self.device_event = None
 
     # --- fed by the engine --------------------------------------------------

@@ -1,7 +1,7 @@
 """Fixtures shared by every test: nothing may be left behind.
 
 Every test is checked for leftover `hicache_mp.*` entries in /dev/shm and for
-live `hicache_mp-worker` processes, after a short grace period for exits.
+live `hicache_mp-worker` (and `hicache_mp-evictor`) processes, after a short grace period for exits.
 Entries and workers that belong to another live process tree (another test
 session on the same machine) are not ours and are ignored; anything whose
 owner is this process, one of its descendants, or dead, is ours.
@@ -35,7 +35,7 @@ def worker_pids() -> set[int]:
     for p in psutil.process_iter(["cmdline"]):
         try:
             cmd = p.info["cmdline"] or []
-            if len(cmd) > 3 and cmd[3].startswith("hicache_mp-worker"):
+            if len(cmd) > 3 and cmd[3].startswith(("hicache_mp-worker", "hicache_mp-evictor")):
                 parent = json.loads(cmd[4]).get("parent_pid") if len(cmd) > 4 else None
                 if _ours(parent):
                     pids.add(p.pid)

@@ -1,14 +1,32 @@
-"""The control block: one small shared segment the engine and all workers see.
+"""The control block: one small shared segment the engine, all workers and the evictor see.
 
 Owns the fields that are not per-record traffic: the stop flag, the number of
 threads blocked waiting for completions, each worker's ready pid and busy
-counters, and the cancel table. Must not carry page records (rings do).
+counters, the cancel table, the store-capacity counters and the pin table.
+Must not carry page records (rings do).
 
 Every field is an aligned uint64, written by exactly one side:
 
-    STOP, WAITERS                engine
-    per worker: READY_PID, BUSY_NS, PAGES, BYTES      that worker
-    CANCEL[op_id % CANCEL_SLOTS] = op_id              engine
+    STOP, WAITERS, MAX_BYTES, MIN_FREE            engine
+    STORE_BASE, WRITTEN_AT_SCAN, EVICTOR_PID      evictor
+    per worker: READY_PID, BUSY_NS, PAGES, BYTES, WRITTEN, INFLIGHT   that worker
+    CANCEL[op_id % CANCEL_SLOTS] = op_id          engine
+    PINS[h(digest)] = pages of ops in flight      engine
+
+Capacity estimate (workers/evictor.py): the store holds about
+``STORE_BASE + sum(WRITTEN) - WRITTEN_AT_SCAN`` bytes. The evictor stores
+STORE_BASE before WRITTEN_AT_SCAN and readers load WRITTEN_AT_SCAN first, so
+on x86 (TSO) a reader that sees a half-published update over-estimates,
+never under-estimates. WRITTEN is what each worker has reserved in all (it
+reserves a file's bytes before writing it, and gives them back if the write
+fails); INFLIGHT is the reservation of the write it is doing now, which a
+directory scan may not see yet: the evictor adds it to STORE_BASE.
+
+Pins: a counting table indexed by the first 8 bytes of the page digest
+(sha256: uniform). The engine adds 1 per page when an op is submitted and
+takes it off when that page completes; the evictor never removes a page whose
+slot is non-zero. Two digests sharing a slot only make a page look pinned a
+little longer: safe.
 """
 import numpy as np
 
@@ -16,12 +34,23 @@ from shm import Segment
 
 MAX_WORKERS = 256
 CANCEL_SLOTS = 4096
-_WORKER_FIELDS = 4
-STOP, WAITERS = 0, 1
+PIN_SLOTS = 1 << 16
+_WORKER_FIELDS = 6
+STOP, WAITERS, STORE_BASE, WRITTEN_AT_SCAN, MAX_BYTES, MIN_FREE, EVICTOR_PID = range(7)
 _WORKERS_AT = 8
 _CANCEL_AT = _WORKERS_AT + MAX_WORKERS * _WORKER_FIELDS
-_TOTAL = _CANCEL_AT + CANCEL_SLOTS
-READY_PID, BUSY_NS, PAGES, BYTES = range(_WORKER_FIELDS)
+_PINS_AT = _CANCEL_AT + CANCEL_SLOTS
+_TOTAL = _PINS_AT + PIN_SLOTS
+READY_PID, BUSY_NS, PAGES, BYTES, WRITTEN, INFLIGHT = range(_WORKER_FIELDS)
+
+
+def pin_slots(digests: np.ndarray) -> np.ndarray:
+    """Pin-table slots of digests given as an (n, 32) uint8 array."""
+    return np.ascontiguousarray(digests[:, :8]).view("<u8").ravel() % PIN_SLOTS
+
+
+def pin_slot(digest: bytes) -> int:
+    return int.from_bytes(digest[:8], "little") % PIN_SLOTS
 
 
 class Control:
@@ -29,7 +58,8 @@ class Control:
         self.segment = Segment(name, _TOTAL * 8, create=create)
         self.words = np.frombuffer(self.segment.map, dtype=np.uint64, count=_TOTAL)
         self.workers = self.words[_WORKERS_AT:_CANCEL_AT].reshape(MAX_WORKERS, _WORKER_FIELDS)
-        self.cancel_table = self.words[_CANCEL_AT:]
+        self.cancel_table = self.words[_CANCEL_AT:_PINS_AT]
+        self.pins = self.words[_PINS_AT:]
 
     @property
     def name(self) -> str:
@@ -44,6 +74,12 @@ class Control:
     def cancel(self, op_id: int) -> None:
         self.cancel_table[op_id % CANCEL_SLOTS] = op_id
 
+    def store_estimate(self) -> int:
+        """Bytes the store holds, as far as this engine knows (see the module doc)."""
+        at = int(self.words[WRITTEN_AT_SCAN])   # load order matters: see module doc
+        base = int(self.words[STORE_BASE])
+        return base + int(self.workers[:, WRITTEN].sum()) - at
+
     def close(self) -> None:
-        del self.words, self.workers, self.cancel_table
+        del self.words, self.workers, self.cancel_table, self.pins
         self.segment.close()

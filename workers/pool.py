@@ -2,7 +2,8 @@
 
     engine (scheduler process)                 worker i  (python -m workers.worker)
     --------------------------                 ------------------------------------
-    submit_ring[i].push(records) ------------>  pop, do I/O into/out of the pool
+    submit_ring[i].push(reads) -------------->  pop, do I/O into/out of the pool
+    write_ring[i].push(writes) -------------->    (reads first: workers.worker)
     wake[i].post()  (once per batch)              (sleeps on wake[i] when idle)
     completion_ring[i].pop()  <---------------  push completion, post done if WAITERS
     check(): a dead worker is reported,         exits on STOP or when its parent dies
@@ -79,9 +80,14 @@ class WorkerHandle:
     index: int
     generation: int
     proc: subprocess.Popen
-    submit: Ring
+    submit: Ring          # reads (prefetch)
+    write: Ring           # writes (backup): served after reads
     completion: Ring
     wake: WakeSemaphore
+
+    @property
+    def rings(self) -> tuple:
+        return (self.submit, self.write, self.completion, self.wake)
 
     @property
     def pid(self) -> int:
@@ -121,16 +127,29 @@ class WorkerPool:
     # --- lifecycle ----------------------------------------------------------
     def _spawn(self, index: int, generation: int) -> WorkerHandle:
         base = f"{self.tag}.w{index}g{generation}"
-        submit = Ring(base + ".sub", self.ring_capacity, create=True)
-        completion = Ring(base + ".cpl", self.ring_capacity, create=True)
-        wake = WakeSemaphore(base + ".wake", create=True)
+        made = []
+        try:
+            made.append(Ring(base + ".sub", self.ring_capacity, create=True))
+            made.append(Ring(base + ".wsub", self.ring_capacity, create=True))
+            # Both submit rings may be full at once: the completion ring holds both.
+            made.append(Ring(base + ".cpl", 2 * self.ring_capacity, create=True))
+            made.append(WakeSemaphore(base + ".wake", create=True))
+        except BaseException:
+            for r in made:
+                r.close()
+            raise
+        submit, write, completion, wake = made
         self.control.workers[index][READY_PID] = 0
         cfg = dict(self.base_config, index=index, parent_pid=os.getpid(),
-                   submit_ring=submit.name, completion_ring=completion.name,
-                   ring_capacity=self.ring_capacity, wake_sem=wake.name,
-                   done_sem=self.done_sem, control=self.control.name)
-        cfg["orphan_unlink_shm"] = [cfg["pool_name"], cfg["control"], submit.name, completion.name]
+                   submit_ring=submit.name, write_ring=write.name, completion_ring=completion.name,
+                   ring_capacity=self.ring_capacity, completion_capacity=completion.capacity,
+                   wake_sem=wake.name, done_sem=self.done_sem, control=self.control.name)
+        cfg["orphan_unlink_shm"] = [cfg["pool_name"], cfg["control"], submit.name, write.name,
+                                    completion.name]
         cfg["orphan_unlink_sem"] = [wake.name, self.done_sem]
+        # Names of the engine's other helpers (the evictor's ring and semaphore).
+        cfg["orphan_unlink_shm"] += cfg.pop("orphan_extra_shm", [])
+        cfg["orphan_unlink_sem"] += cfg.pop("orphan_extra_sem", [])
         env = dict(os.environ)
         env["PYTHONPATH"] = _PACKAGE_ROOT + os.pathsep + env.get("PYTHONPATH", "")
         try:
@@ -141,10 +160,10 @@ class WorkerPool:
                 [sys.executable, "-m", "workers.worker", f"hicache_mp-worker-{index}", json.dumps(cfg)],
                 env=env, stdin=subprocess.DEVNULL, close_fds=True, pass_fds=pass_fds)
         except BaseException:
-            for r in (submit, completion, wake):
+            for r in made:
                 r.close()
             raise
-        handle = WorkerHandle(index, generation, proc, submit, completion, wake)
+        handle = WorkerHandle(index, generation, proc, submit, write, completion, wake)
         if self.pin_cpus:
             self._pin(handle)
         return handle
@@ -183,7 +202,7 @@ class WorkerPool:
         """Replace a dead worker. The caller has drained its completion ring."""
         if self.closed:
             raise BrokenPool("pool is closed")
-        for r in (handle.submit, handle.completion, handle.wake):
+        for r in handle.rings:
             r.close()
         new = self._spawn(handle.index, handle.generation + 1)
         self.workers[handle.index] = new
@@ -197,7 +216,7 @@ class WorkerPool:
     def close(self, grace_s: float = 2.0) -> None:
         self.stop(grace_s)
         for h in self.workers:                             # 5
-            for r in (h.submit, h.completion, h.wake):
+            for r in h.rings:
                 r.close()
         self.workers = []
 

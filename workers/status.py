@@ -15,11 +15,14 @@ IOERROR = 9       # write failed for another reason
 CANCELLED = 10    # skipped because its op was cancelled
 WORKER_DIED = 11  # its worker died before finishing it
 BUSY = 12         # not submitted: every ring was full (backpressure)
+DROPPED = 13      # write not attempted, by choice under pressure: over the backup budget
+                  # (errno 0) or over the store's capacity limits (errno ENOSPC)
 
 NAMES = {
     PENDING: "pending", OK: "ok", MISS: "miss", CORRUPT: "corrupt", FOREIGN: "foreign",
     WRONG_KEY: "wrong_key", UNREADABLE: "unreadable", NOSPACE: "nospace", DENIED: "denied",
     IOERROR: "ioerror", CANCELLED: "cancelled", WORKER_DIED: "worker_died", BUSY: "busy",
+    DROPPED: "dropped",
 }
 
 # Statuses that mean "the file is not a usable page", counted as misses.

@@ -7,17 +7,37 @@ Imports no torch: os, mmap, numpy and posix_ipc only.
 
 Owns the per-page I/O: a read is open + one preadv (header and payload
 straight into the pool slot) + close; a write is a pwritev into a private temp
-file + os.replace. Must not decide policy: it does what the records say and
-reports a status for each.
+file + os.replace. With `direct_io` both open the file O_DIRECT (the engine
+decided it is safe: workers.directio). Must not decide policy: it does what
+the records say and reports a status for each.
+
+Two submit rings per worker: `read_ring` (prefetch) and `write_ring`
+(backup). Reads come first: a prefetch is on a request's critical path, a
+backup is not. Writes are taken one at a time, and the read ring is looked at
+(one load) before each, so a read that arrives behind a burst of backups
+waits for at most one page write. Writes are never starved: after
+`reads_per_write` reads in a row with writes waiting, one write goes.
 
 Loop, with one exit path:
-  1. pop up to `batch` records from the submit ring;
-  2. if none: sleep on the wake semaphore (timeout: parent watch), go to 1;
-  3. for each record: skip if its op is cancelled, else do the I/O, push a
+  1. pop up to `batch` records from the read ring; do each (after every
+     `reads_per_write` of them, one queued write if any);
+  2. else pop one record from the write ring and do it;
+  3. if neither had work: sleep on the wake semaphore (timeout: parent
+     watch), go to 1;
+  4. each record: skip if its op is cancelled, else do the I/O, push a
      completion (status, io time), post the done semaphore if anyone waits;
-  4. leave when the control block says stop or the parent has gone. An
+  5. leave when the control block says stop or the parent has gone. An
      orphan unlinks the names it knows, so a crashed scheduler leaves nothing
      in /dev/shm even if no engine ever starts again.
+
+Capacity (when the engine sets storage limits): before a write the worker
+reserves the file's bytes in its WRITTEN counter and checks the store
+estimate (workers.control) and, with a free-space floor, statvfs; a write
+that would cross a limit is not attempted: status DROPPED (errno ENOSPC), and
+the evictor is woken. After a successful read the worker stamps the file's
+times (futimens), at most once per `TOUCH_INTERVAL_S` per page: that is the
+"last access" the evictor's LRU orders by, recorded here so that the
+scheduler makes no syscall for it.
 """
 import errno
 import json
@@ -30,11 +50,16 @@ import numpy as np
 from shm import PageGeometry, Ring, WakeSemaphore
 from shm.hostpool import HostPool
 from shm.ring import KIND_READ, RECORD_DTYPE
-from workers import naming, pagefile, status
+from workers import directio, naming, pagefile, status
 from workers.storedir import DIR_MODE, ensure_parent
-from workers.control import BUSY_NS, BYTES, PAGES, READY_PID, WAITERS, Control
+from workers.control import BUSY_NS, BYTES, INFLIGHT, MAX_BYTES, MIN_FREE, PAGES, READY_PID, \
+    WAITERS, WRITTEN, Control
 
 PARENT_CHECK_S = 0.25
+# A page's access stamp is refreshed at most this often per worker: LRU needs
+# order at a coarse grain, not a metadata write per read.
+TOUCH_INTERVAL_S = 1.0
+_TOUCH_MEMORY = 1 << 16  # digests remembered for that rate limit, then forgotten
 
 # Damage that proves the file is not a usable page for anyone under this name.
 # UNREADABLE is left alone: a permission problem or a directory is an
@@ -77,14 +102,33 @@ class Worker:
         self.pool = HostPool(self.geometry, cfg["pool_pages"], name=cfg["pool_name"],
                              create=False, populate=cfg.get("populate", True),
                              fd=cfg.get("pool_fd"))
-        self.submit = Ring(cfg["submit_ring"], cfg["ring_capacity"], create=False)
-        self.completion = Ring(cfg["completion_ring"], cfg["ring_capacity"], create=False)
+        self.read_ring = Ring(cfg["submit_ring"], cfg["ring_capacity"], create=False)
+        self.write_ring = Ring(cfg["write_ring"], cfg["ring_capacity"], create=False)
+        self.completion = Ring(cfg["completion_ring"], cfg["completion_capacity"], create=False)
+        self.reads_per_write = max(1, cfg.get("reads_per_write", 8))
         self.wake = WakeSemaphore(cfg["wake_sem"], create=False)
         self.done = WakeSemaphore(cfg["done_sem"], create=False)
         self.control = Control(cfg["control"], create=False)
         self.stats = self.control.workers[self.index]
-        self.header = bytearray(pagefile.HEADER_SIZE)
-        self.overflow = bytearray(1)  # a file longer than expected fills this: corrupt
+        self.direct = bool(cfg.get("direct_io", False))
+        # Header, overflow guard and the write header live in one page-aligned
+        # scratch mapping: O_DIRECT needs aligned buffers, and buffered I/O does
+        # not mind. The overflow guard catches a file longer than a page without
+        # an fstat: buffered, one spare byte; O_DIRECT, one spare aligned block
+        # (an iovec must be a whole block), which costs nothing at a true EOF.
+        self.scratch = directio.Scratch(3 * directio.ALIGN)
+        self.header = self.scratch[0:pagefile.HEADER_SIZE]
+        spare = directio.ALIGN if self.direct else 1
+        self.overflow = self.scratch[directio.ALIGN:directio.ALIGN + spare]
+        self.write_header = self.scratch[2 * directio.ALIGN:3 * directio.ALIGN]
+        self.open_flags = directio.O_DIRECT if self.direct else 0
+        self.file_bytes = pagefile.HEADER_SIZE + self.payload_len
+        self.capped = bool(cfg.get("capacity"))
+        self.evict_wake = WakeSemaphore(cfg["evict_sem"], create=False) if cfg.get("evict_sem") else None
+        self.headroom = int(cfg.get("evict_headroom", 0))
+        self.num_workers = int(cfg.get("num_workers", 1))
+        self.touched: dict[bytes, float] = {}
+        self.read_streak = 0  # reads done in a row while writes waited
         self.made_dirs: set[str] = set()
         self.serial = 0
         self.pid = os.getpid()
@@ -98,15 +142,28 @@ class Worker:
             if os.getppid() != self.parent_pid:
                 orphaned = True
                 break
-            records = self.submit.pop(self.batch)
-            if len(records) == 0:
-                self.wake.wait(PARENT_CHECK_S)
+            records = self.read_ring.pop(self.batch)
+            if len(records):
+                for rec in records:
+                    self._one(rec)
+                    self.read_streak += 1
+                    if self.read_streak >= self.reads_per_write and self.write_ring.pending():
+                        self._one_write()  # reads first, but writes are never starved
                 continue
-            for rec in records:
-                self._one(rec)
+            if self.write_ring.pending():
+                self._one_write()
+                continue
+            self.read_streak = 0
+            self.wake.wait(PARENT_CHECK_S)
         if orphaned:
             self._unlink_all()
         return 0
+
+    def _one_write(self) -> None:
+        self.read_streak = 0
+        recs = self.write_ring.pop(1)
+        if len(recs):
+            self._one(recs[0])
 
     def _one(self, rec) -> None:
         t0 = time.perf_counter_ns()
@@ -141,20 +198,23 @@ class Worker:
     # --- reads --------------------------------------------------------------
     def _read(self, path: str, digest: bytes, iovecs) -> tuple[int, int]:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | self.open_flags)
         except FileNotFoundError:
             return status.MISS, 0
         except OSError as exc:
             return status.UNREADABLE, exc.errno or 0
         try:
-            want = pagefile.HEADER_SIZE + self.payload_len
+            want = self.file_bytes
             try:
-                got = _preadv_full(fd, [self.header, *iovecs, self.overflow], want + 1)
+                got = _preadv_full(fd, [self.header, *iovecs, self.overflow],
+                                   want + len(self.overflow), self.direct)
             except OSError as exc:
                 return status.UNREADABLE, exc.errno or 0
             code = self._check(got, want, digest, iovecs)
             if code in _MOVE_ASIDE and self.quarantine:
                 self._move_aside(path, fd, code)  # while fd still names the file we judged
+            elif code == status.OK:
+                self._touch(fd, digest)
             return code, 0
         finally:
             os.close(fd)
@@ -170,6 +230,20 @@ class Worker:
         if crc is not None and self.verify_crc and pagefile.payload_crc(iovecs) != crc:
             return status.CORRUPT
         return status.OK
+
+    def _touch(self, fd: int, digest: bytes) -> None:
+        """Stamp the file's times with now: its last access, for the evictor's LRU."""
+        now = time.monotonic()
+        last = self.touched.get(digest)
+        if last is not None and now - last < TOUCH_INTERVAL_S:
+            return
+        if len(self.touched) >= _TOUCH_MEMORY:
+            self.touched.clear()
+        self.touched[digest] = now
+        try:
+            os.utime(fd)  # futimens(fd, NULL): the inode we read, even if renamed over since
+        except OSError:
+            pass  # read-only store or another owner: LRU falls back to write time
 
     def _move_aside(self, path: str, fd: int, code: int) -> None:
         """Best effort: rename a damaged page file into the quarantine directory.
@@ -194,8 +268,12 @@ class Worker:
 
     # --- writes -------------------------------------------------------------
     def _write(self, path: str, digest: bytes, iovecs) -> tuple[int, int]:
+        if self.capped:
+            refused = self._reserve()
+            if refused:
+                return refused
         crc = pagefile.payload_crc(iovecs) if self.write_crc else None
-        header = pagefile.build_header(self.payload_len, self.fp, digest, crc)
+        self.write_header[:] = pagefile.build_header(self.payload_len, self.fp, digest, crc)
         self.serial += 1
         tmp = naming.tmp_path(path, self.pid, self.serial)
         fd = -1
@@ -204,8 +282,12 @@ class Worker:
             if directory not in self.made_dirs:
                 ensure_parent(path, self.root)
                 self.made_dirs.add(directory)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            _pwritev_full(fd, [header, *iovecs])
+            # With O_DIRECT every run is a whole number of 4096-byte blocks
+            # (directio.geometry_aligned), so the file length is too: no
+            # ftruncate fix-up is needed after the aligned write.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | self.open_flags,
+                         0o600)
+            _pwritev_full(fd, [self.write_header, *iovecs], self.direct)
             if self.fsync == "data":
                 os.fdatasync(fd)
             elif self.fsync == "always":
@@ -213,6 +295,8 @@ class Worker:
             os.close(fd)
             fd = -1
             os.replace(tmp, path)  # readers see the old page or the new one, never a part
+            if self.capped:
+                self.stats[INFLIGHT] = 0  # a scan from now on sees the file itself
             return status.OK, 0
         except OSError as exc:
             if fd >= 0:
@@ -221,7 +305,42 @@ class Worker:
                 os.unlink(tmp)
             except OSError:
                 pass
+            if self.capped:
+                self.stats[WRITTEN] -= np.uint64(self.file_bytes)  # give the reservation back
+                self.stats[INFLIGHT] = 0
             return _WRITE_ERRNO.get(exc.errno, status.IOERROR), exc.errno or 0
+
+    def _reserve(self) -> tuple[int, int] | None:
+        """Claim this write's bytes against the store's limits; a refusal status or None.
+
+        The reservation is made before the check, so two workers racing for the
+        last bytes both see each other's claim (both may refuse: the safe side).
+        """
+        words, nbytes = self.control.words, self.file_bytes
+        self.stats[INFLIGHT] = nbytes  # before WRITTEN: see Evictor.one_pass
+        self.stats[WRITTEN] += np.uint64(nbytes)
+        est = self.control.store_estimate()
+        max_bytes, min_free = int(words[MAX_BYTES]), int(words[MIN_FREE])
+        over = bool(max_bytes) and est > max_bytes
+        near = bool(max_bytes) and est > max_bytes - self.headroom
+        if min_free and not over:
+            try:
+                vfs = os.statvfs(self.root)
+                free = vfs.f_bavail * vfs.f_frsize
+                # statvfs cannot see the other workers' writes in progress: assume
+                # each has one page under way (a margin of a page per worker).
+                claim = nbytes * self.num_workers
+                over = free - claim < min_free
+                near = near or free - claim < min_free + self.headroom
+            except OSError:
+                pass
+        if near and self.evict_wake is not None:
+            self.evict_wake.post()
+        if over:
+            self.stats[WRITTEN] -= np.uint64(nbytes)
+            self.stats[INFLIGHT] = 0
+            return status.DROPPED, errno.ENOSPC
+        return None
 
     def _unlink_all(self) -> None:
         import posix_ipc
@@ -234,10 +353,19 @@ class Worker:
             WakeSemaphore.unlink_name(name)
 
 
-def _preadv_full(fd: int, iovecs: list, total: int) -> int:
-    """preadv until `total` bytes or EOF (network filesystems may return short)."""
+def _preadv_full(fd: int, iovecs: list, total: int, direct: bool = False) -> int:
+    """preadv until `total` bytes or EOF (network filesystems may return short).
+
+    With O_DIRECT a continuation must start on a block boundary; after an
+    unaligned short read (a file whose length is not a block multiple: EOF,
+    in practice) O_DIRECT is cleared on the descriptor and the rest is read
+    buffered, rather than failing with EINVAL.
+    """
     got = os.preadv(fd, iovecs, 0)
     while 0 < got < total:
+        if direct and not directio.aligned(got):
+            _clear_direct(fd)
+            direct = False
         rest = _skip(iovecs, got)
         n = os.preadv(fd, rest, got)
         if n == 0:
@@ -246,11 +374,19 @@ def _preadv_full(fd: int, iovecs: list, total: int) -> int:
     return got
 
 
-def _pwritev_full(fd: int, iovecs: list) -> None:
+def _pwritev_full(fd: int, iovecs: list, direct: bool = False) -> None:
     total = sum(len(v) for v in iovecs)
     done = os.pwritev(fd, iovecs, 0)
     while done < total:
+        if direct and not directio.aligned(done):
+            _clear_direct(fd)  # as in _preadv_full: finish an odd short write buffered
+            direct = False
         done += os.pwritev(fd, _skip(iovecs, done), done)
+
+
+def _clear_direct(fd: int) -> None:
+    import fcntl
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~directio.O_DIRECT)
 
 
 def _skip(iovecs: list, nbytes: int) -> list:

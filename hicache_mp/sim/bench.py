@@ -57,7 +57,10 @@ class BenchConfig:
     storage_dir: str | None = None  # None: a temp dir, removed at the end
     host_pool_pages: int = 0        # 0: auto
     verify: bool = True
+    device_load: str = "auto"       # auto: load prefetched pages to the GPU when CUDA is there;
+                                    # on: also on the CPU fallback; off: never
     max_run_s: float = 3600.0
+    engine_options: dict = field(default_factory=dict)  # more EngineConfig fields (storage flags)
     geometry: dict = field(default_factory=dict)   # overrides (tests)
     prompt_scale: float | None = None   # None: 1.0, or QUICK_PROMPT_SCALE with --quick
     time_scale: float | None = None     # None: 1.0, or QUICK_TIME_SCALE with --quick
@@ -202,7 +205,8 @@ class Bench:
         t0 = time.perf_counter()
         written = present = 0
         with make_engine("mp", EngineConfig(storage_dir=store, num_workers=self.cfg.workers,
-                                            host_pool_pages=batch), g) as eng:
+                                            host_pool_pages=batch, **self.cfg.engine_options),
+                         g) as eng:
             todo = []
             for r in self.requests:
                 keys = r.page_keys(self.cfg.page_size)
@@ -235,9 +239,14 @@ class Bench:
         else:
             engine = make_engine(backend, EngineConfig(
                 storage_dir=store, num_workers=cfg.workers, host_pool_pages=self.pool_pages,
-                prefetch_policy=cfg.policy, prefetch_timeout_s=cfg.timeout_s), self.geometry)
+                prefetch_policy=cfg.policy, prefetch_timeout_s=cfg.timeout_s,
+                **cfg.engine_options), self.geometry)
+        loader = None
         try:
+            loader = self._loader(engine) if backend != "none" else None
             extra = f", {engine.metrics()['workers']} workers" if backend == "mp" else ""
+            if loader is not None:
+                extra += f", pages loaded to {loader.device}"
             self.log(f"[{label}] running {len(self.requests)} requests "
                      f"(policy {cfg.policy}{', yield %g ms' % yield_ms if yield_ms else ''}{extra})")
             sched = Scheduler(label, engine, self.requests, SchedulerConfig(
@@ -245,7 +254,7 @@ class Bench:
                 arrival_scale=self.arrival_scale, policy=cfg.policy, timeout_s=cfg.timeout_s,
                 yield_ms=yield_ms, host_slots=self.pool_pages,
                 key_salt=f"{self.nonce}.{label}:", verify=cfg.verify,
-                page_bytes_gen=self.pagebytes, max_run_s=cfg.max_run_s,
+                page_bytes_gen=self.pagebytes, max_run_s=cfg.max_run_s, loader=loader,
                 progress=lambda done, total, t: self.log(
                     f"[{label}] {done}/{total} requests done at {t:.1f} s")))
             return sched.run()
@@ -254,6 +263,19 @@ class Bench:
             engine.close()
             if namespace is not None:
                 self._drop_write_backs(store, namespace, label)
+
+    def _loader(self, engine):
+        """A DeviceLoader owned by the engine (closed with it), or None."""
+        mode = self.cfg.device_load
+        if mode == "off":
+            return None
+        import torch
+        if mode == "auto" and not torch.cuda.is_available():
+            return None
+        from hicache_mp.device import DeviceLoader
+        loader = DeviceLoader(engine.host_pool, num_device_pages=self.pool_pages)
+        engine.attach_loader(loader)
+        return loader
 
     def _drop_write_backs(self, store: str, namespace: str, label: str) -> None:
         """Remove a run's write-backs: keyed by this run alone, nothing reads them
@@ -295,8 +317,10 @@ def figures(res: RunResult, page_size: int) -> dict:
     summary = summarize(res.requests, res.duration_s)
     prefetch, backup = op_stats(res.prefetch), op_stats(res.backups)
     m = res.engine_metrics
+    h2d = [(r.h2d_seen_ns - r.done_ns) / 1e6 for r in res.prefetch if r.h2d_seen_ns and r.done_ns]
     extra = {
         "prefetch_gbps_mean": prefetch["gbps_mean"],
+        "h2d_after_io_ms_mean": _mean(h2d),
         "prefetch_gbps_p10": prefetch["gbps_p10"],
         "loop_iters_per_s": res.loop_iters / res.duration_s if res.duration_s else None,
         "backup_gbps": backup["gbps_mean"],

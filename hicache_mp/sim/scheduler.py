@@ -53,6 +53,7 @@ class SchedulerConfig:
     progress: Callable | None = None  # progress(done, total, elapsed_s)
     progress_every: int = 8
     max_run_s: float | None = None   # a stuck run raises instead of spinning for ever
+    loader: object = None            # a DeviceLoader attached to the engine: pages go to the GPU
 
 
 @dataclass
@@ -71,6 +72,7 @@ class OpRecord:
     gbps: float | None
     landed_ns: np.ndarray
     worker_of: np.ndarray | None
+    h2d_seen_ns: int = 0             # when the scheduler saw every landed page on the device
 
 
 @dataclass
@@ -105,7 +107,7 @@ class RunResult:
 
 class _Req:
     __slots__ = ("r", "keys", "wb_keys", "admit_s", "op", "slots", "hit_pages", "done_tokens",
-                 "token_s", "seen_ns")
+                 "token_s", "seen_ns", "dev", "h2d")
 
     def __init__(self, r: Request, page_size: int, salt: str, admit_s: float):
         self.r = r
@@ -118,6 +120,8 @@ class _Req:
         self.done_tokens = 0         # prompt tokens whose KV exists (hit + prefilled)
         self.token_s: list[float] = []
         self.seen_ns = 0
+        self.dev = None              # device pages holding this request's prefetched KV
+        self.h2d = None              # its DeviceLoader handle
 
 
 class Scheduler:
@@ -129,6 +133,10 @@ class Scheduler:
         pool = getattr(engine, "host_pool", None)
         self.pool = pool
         self.slots = HostSlots(config.host_slots or (pool.num_pages if pool else 1 << 16))
+        self.loader = config.loader if pool is not None else None
+        self.dev_slots = HostSlots(self.loader.num_device_pages) if self.loader else None
+        self.h2d_seen: dict[int, int] = {}   # op id -> when its pages were seen on the device
+        self.h2d_pending: list[_Req] = []    # prefetch settled, pages still on the way
 
     # --- the loop -------------------------------------------------------------
     def run(self) -> RunResult:
@@ -171,11 +179,18 @@ class Scheduler:
                 slots = self.slots.alloc(hit) if hit else []
                 if slots is None:
                     break
+                dev = self.dev_slots.alloc(hit) if hit and self.loader else None
+                if hit and self.loader and dev is None:
+                    self.slots.release(slots)
+                    break
                 lookup.popleft()
                 q.slots = slots
                 if hit:
                     q.op = eng.prefetch(q.keys[:hit], slots, policy=cfg.policy,
                                         timeout_s=cfg.timeout_s)
+                    if dev is not None:
+                        # Copies start as pages land (engine.poll() drives the loader).
+                        q.dev, q.h2d = dev, self.loader.load(q.op, dev)
                     self.prefetching.append(q)
                 else:
                     self.ready.append(q)
@@ -183,6 +198,8 @@ class Scheduler:
             eng.poll()
             if self.prefetching:
                 self._check_prefetches(now_ns)
+            if self.h2d_pending:
+                self._check_h2d()
             # 4. slots back
             if self.consumed:
                 self._retire_prefetches()
@@ -213,6 +230,8 @@ class Scheduler:
         for op, slots, rid, seen in self.consumed:
             if not op.done:
                 eng.wait(op, 60.0)
+            if getattr(op, "device_event", None) is not None:
+                op.device_event.wait(60.0)
             self.slots.release(slots)
             self.done_prefetch.append((rid, op, seen))
         metrics = eng.metrics()
@@ -222,7 +241,8 @@ class Scheduler:
             yield_ms=cfg.yield_ms, t0_ns=t0, duration_s=duration_s, loop_iters=iters,
             requests=[self._result(q) for q in finished],
             hit_tokens=[q.hit_pages * ps for q in finished],
-            prefetch=sorted((_record(rid, op, seen) for rid, op, seen in self.done_prefetch),
+            prefetch=sorted((_record(rid, op, seen, self.h2d_seen.get(getattr(op, "id", None), 0))
+                             for rid, op, seen in self.done_prefetch),
                             key=lambda o: o.submit_ns),
             backups=sorted((_record(rid, op, seen) for rid, op, seen in self.done_backup),
                            key=lambda o: o.submit_ns),
@@ -244,6 +264,16 @@ class Scheduler:
             self.prefetching = still
             self.ready.sort(key=_fifo)
 
+    def _check_h2d(self) -> None:
+        still = []
+        for q in self.h2d_pending:
+            if q.h2d.done:
+                # A fresh clock: this loop's poll() may have finished the op and its copies.
+                self.h2d_seen[q.h2d.op.id] = time.perf_counter_ns()
+            else:
+                still.append(q)
+        self.h2d_pending = still
+
     def _settle(self, q: _Req, now_ns: int) -> None:
         """The prefetch is over for the scheduler: fix the hit and check a page."""
         op = q.op
@@ -252,6 +282,8 @@ class Scheduler:
         q.hit_pages = op.completed_pages
         q.done_tokens = q.hit_pages * self.cfg.page_size
         q.seen_ns = now_ns
+        if q.h2d is not None:
+            self.h2d_pending.append(q)
         if self.cfg.verify and self.pool is not None and q.hit_pages:
             if self.cfg.page_bytes_gen.matches(self.pool, q.slots[0], q.keys[0]):
                 self.verified += 1
@@ -262,7 +294,8 @@ class Scheduler:
         keep = []
         for item in self.consumed:
             op, slots, rid, seen = item
-            if op.done:
+            h2d = getattr(op, "device_event", None)
+            if op.done and (h2d is None or h2d.done):  # the loader may still read the slots
                 self.slots.release(slots)
                 self.done_prefetch.append((rid, op, seen))
             else:
@@ -298,6 +331,8 @@ class Scheduler:
                     self.prefetching.remove(q)
                     self.ready.append(q)
                 if q.op is not None:  # first chunk: its pages go to the GPU now
+                    if q.h2d is not None and not q.h2d.done:
+                        continue  # its KV is still on the way to the device
                     self.consumed.append((q.op, q.slots, q.r.rid, q.seen_ns))
                     q.op = None
                 take = min(q.r.prompt_len - q.done_tokens, budget)
@@ -329,6 +364,11 @@ class Scheduler:
                     (self.finished if q.r.output_len <= 1 else self.running).append(q)
             self.ready = [q for q in self.ready if q.done_tokens < q.r.prompt_len]
         batch.finished_some = len(self.finished) > before_done
+        if self.dev_slots is not None:
+            for q in self.finished[before_done:]:
+                if q.dev is not None:
+                    self.dev_slots.release(q.dev)
+                    q.dev = None
         self.batches.append((batch.kind, batch.start_s, batch.end_s,
                              sum(t for _, t in batch.items), len(batch.items)))
 
@@ -365,10 +405,11 @@ def _fifo(q: _Req):
     return (q.admit_s, q.r.rid)
 
 
-def _record(rid: int, op, seen_ns: int) -> OpRecord:
+def _record(rid: int, op, seen_ns: int, h2d_seen_ns: int = 0) -> OpRecord:
     return OpRecord(rid=rid, kind=op.kind, pages=op.num_pages, ok_pages=op.ok_pages,
                     nbytes=op.ok_pages * op.page_bytes, status=op.status,
                     submit_ns=op.submit_ns, first_ns=op.first_ns, done_ns=op.done_ns,
                     seen_ns=seen_ns, io_ns=op.io_ns, gbps=op.gbps,
                     landed_ns=np.asarray(op.landed_ns, dtype=np.int64),
-                    worker_of=None if op.worker_of is None else np.asarray(op.worker_of))
+                    worker_of=None if op.worker_of is None else np.asarray(op.worker_of),
+                    h2d_seen_ns=h2d_seen_ns)

@@ -17,7 +17,8 @@ of one run (`format_summary`) and of several backends side by side
   cache_hit_rate                                    sum(cached) / sum(prompt)
 
 Backend-specific figures (`extra` / comparison rows) use EXTRA_LABELS keys:
-  prefetch_gbps_mean, prefetch_gbps_p10, loop_iters_per_s, backup_gbps
+  prefetch_gbps_mean, prefetch_gbps_p10, loop_iters_per_s, backup_gbps,
+  h2d_after_io_ms_mean (only when pages are loaded to a device)
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ EXTRA_LABELS = {
     "prefetch_gbps_p10": "Prefetch GB/s (P10)",
     "loop_iters_per_s": "Scheduler loop it/s",
     "backup_gbps": "Backup GB/s",
+    "h2d_after_io_ms_mean": "H2D after last page landed (ms)",
 }
 
 

@@ -183,3 +183,34 @@ def test_stamp_marks_a_slot_in_both_layouts(tmp_path):
             pb.stamp(eng.host_pool, 2, "k2")
             raw = eng.host_pool.page_view(2).contiguous().view(-1).view(torch.uint8).numpy()
             assert raw[:32].tobytes() == hashlib.sha256(b"k2").digest()
+
+
+@pytest.mark.parametrize("policy", ["wait_complete", "timeout"])
+def test_device_load_puts_every_landed_page_on_the_device(tmp_path, policy):
+    """With --device-load on (the CPU fallback here), every request waits for its
+    pages to reach the device KV cache, and they hold the bytes that were written."""
+    from hicache_mp.device import DeviceLoader
+
+    seen = {}
+    real_load = DeviceLoader.load
+
+    def spy(self, op, device_pages, **kw):  # records what was asked; the real load runs
+        h = real_load(self, op, device_pages, **kw)
+        seen[op.id] = (self, h, list(op.keys), list(device_pages))
+        return h
+
+    DeviceLoader.load = spy
+    try:
+        bench = Bench(_cfg(tmp_path, runs=("mp",), device_load="on", policy=policy),
+                      log=lambda m: None)
+        results = {}
+        rep = bench.run(on_result=lambda label, res, figs: results.__setitem__(label, res))
+    finally:
+        DeviceLoader.load = real_load
+    run = rep["runs"]["mp"]
+    assert run["summary"]["total_requests"] == N and not run["verify"]["failures"]
+    assert run["extra"]["h2d_after_io_ms_mean"] is not None
+    assert run["extra"]["h2d_after_io_ms_mean"] >= 0
+    assert len(seen) == sum(1 for r in results["mp"].prefetch)
+    for loader, h, keys, dev in seen.values():
+        assert h.done and h.pages_loaded == h.op.completed_pages

@@ -10,7 +10,10 @@ from hicache_mp import cli
 FLAGS = ("--quick", "--hicache-storage-backend", "--hicache-mp-workers",
          "--hicache-storage-prefetch-policy", "--prefetch-timeout-s", "--page-size",
          "--hicache-mem-layout", "--storage-dir", "--scheduler-yield-ms", "--num-requests",
-         "--seed", "--host-pool-pages", "--json", "--plot", "--no-verify")
+         "--seed", "--host-pool-pages", "--json", "--plot", "--no-verify", "--device-load",
+         # storage flags (hicache_mp.config.add_engine_flags)
+         "--hicache-mp-direct-io", "--hicache-mp-fsync", "--hicache-mp-backup-budget-pages",
+         "--storage-max-bytes", "--storage-min-free-bytes")
 
 
 def test_help_lists_every_flag_with_defaults():

@@ -1,0 +1,425 @@
+#!/usr/bin/env python3
+"""Storage at the limit: cold-read and write-through GB/s of the `mp` engine against
+raw ceilings measured in the same run, a sweep over worker counts, and reads
+mixed with writes.
+
+Everything runs on one directory (so one device):
+
+  raw write ceiling  max of: P parallel `dd oflag=direct` streams (bs = one page
+                     file), and T plain threads pwritev-ing page-sized files
+                     (O_DIRECT when the engine uses it; the GIL is released in
+                     the syscall)
+  mp write           PrefetchEngine.backup() of the data set, W workers
+  raw read ceiling   max of: P parallel `dd iflag=direct` streams, and T plain
+                     threads preadv-ing the engine's own page files
+  mp cold read       PrefetchEngine.prefetch() of the data set, W workers
+  mixed              with the most workers: a stream of prefetches alone, then
+                     the same stream with a backup stream beside it; reads must
+                     keep >= 0.8 of their read-only GB/s (issue 7)
+
+"Cold": before every read pass the page cache is dropped (`sync; echo 1 >
+/proc/sys/vm/drop_caches` when allowed, else posix_fadvise(DONTNEED) on every
+file); with O_DIRECT the cache is bypassed anyway. The method used is printed
+and written to the JSON.
+
+Ratios printed (issue 7 targets, 8 MiB pages on the H200 box): mp read / raw
+read >= 0.90, mp write / raw write >= 0.90, mixed read / read-only >= 0.80.
+Timings on a small CI machine only catch regressions; `--quick` is for that.
+"""
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine  # noqa: E402
+from hicache_mp.config import DIRECT_IO_MODES, FSYNC_MODES  # noqa: E402
+from workers import directio, naming, pagefile  # noqa: E402
+
+SCHEMA = "hicache_mp.bench_storage/1"
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# --- page cache ------------------------------------------------------------------
+def drop_cache(paths) -> str:
+    """Drop the page cache for these files; returns the method that worked."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "fadvise_dontneed"
+
+
+def page_files(root: str) -> list[str]:
+    out = []
+    for d, _, files in os.walk(root):
+        out.extend(os.path.join(d, f) for f in files if f.endswith(naming.PAGE_SUFFIX))
+    return out
+
+
+# --- raw ceilings ----------------------------------------------------------------
+def raw_threads(paths: list[str], nbytes: int, threads: int, write: bool, direct: bool) -> float:
+    """GB/s of `threads` plain threads each doing open + one preadv/pwritev + close per file."""
+    flags = directio.O_DIRECT if direct else 0
+    todo = list(paths)
+    lock = threading.Lock()
+    errors = []
+
+    def run():
+        buf = mmap.mmap(-1, nbytes)
+        try:
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    p = todo.pop()
+                try:
+                    if write:
+                        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o600)
+                        os.pwritev(fd, [buf], 0)
+                    else:
+                        fd = os.open(p, os.O_RDONLY | flags)
+                        os.preadv(fd, [buf], 0)
+                    os.close(fd)
+                except OSError as exc:
+                    errors.append(exc)
+                    return
+        finally:
+            buf.close()
+
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=run) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    secs = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return len(paths) * nbytes / secs / 1e9
+
+
+def raw_dd(directory: str, block: int, blocks: int, streams: int, write: bool) -> float | None:
+    """GB/s of `streams` parallel dd processes with O_DIRECT, each on its own file."""
+    if not shutil.which("dd"):
+        return None
+    per = max(1, blocks // streams)
+    files = [os.path.join(directory, f"dd.{i}") for i in range(streams)]
+    if write:
+        cmds = [["dd", "if=/dev/zero", f"of={f}", f"bs={block}", f"count={per}", "oflag=direct",
+                 "conv=fsync"] for f in files]
+    else:
+        cmds = [["dd", f"if={f}", "of=/dev/null", f"bs={block}", f"count={per}", "iflag=direct"]
+                for f in files]
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for c in cmds]
+    errs = [p.communicate()[1] for p in procs]
+    secs = time.perf_counter() - t0
+    if any(p.returncode for p in procs):
+        log(f"  dd failed ({errs[0].decode(errors='replace').strip().splitlines()[-1:]}); "
+            f"dd ceiling skipped")
+        return None
+    return streams * per * block / secs / 1e9
+
+
+# --- the engine --------------------------------------------------------------------
+def make_engine(args, store: str, geometry: PageGeometry, workers: int) -> PrefetchEngine:
+    return PrefetchEngine(EngineConfig(
+        storage_dir=store, num_workers=workers, host_pool_pages=args.pool_pages,
+        direct_io=args.direct_io, fsync=args.fsync, model_name="bench_storage"), geometry)
+
+
+def run_ops(eng, kind: str, keys: list, slots: list, depth: int = 2) -> tuple[float, dict]:
+    """Push every key through backup/prefetch in ops of len(slots)//depth pages, keeping
+    `depth` ops in flight; returns (GB/s of pages that landed ok, status counts)."""
+    size = max(1, len(slots) // depth)
+    groups = [slots[i * size:(i + 1) * size] for i in range(depth)]
+    start = getattr(eng, kind)
+    in_flight = {}
+    at = ok = 0
+    counts: dict = {}
+    t0 = time.perf_counter()
+    while at < len(keys) or in_flight:
+        for g in range(depth):
+            op = in_flight.get(g)
+            if op is not None and op.done:
+                ok += op.ok_pages
+                for k, v in op.status_counts().items():
+                    counts[k] = counts.get(k, 0) + v
+                del in_flight[g]
+            if g not in in_flight and at < len(keys):
+                batch = keys[at:at + size]
+                in_flight[g] = start(batch, groups[g][:len(batch)])
+                at += len(batch)
+        if in_flight:
+            eng.wait(next(iter(in_flight.values())), 0.05)
+    secs = time.perf_counter() - t0
+    return ok * eng.geometry.page_bytes / secs / 1e9, counts
+
+
+def fill_pool(eng) -> None:
+    """Random-looking bytes in every slot (written pages are not all zeros)."""
+    mv = memoryview(eng.host_pool.segment.map)
+    chunk = os.urandom(1 << 20)
+    for off in range(0, len(mv), len(chunk)):
+        n = min(len(chunk), len(mv) - off)
+        mv[off:off + n] = chunk[:n]
+    mv.release()
+
+
+def mixed(args, store, geometry, workers, read_keys, write_prefix, cache_method) -> dict:
+    """Read-only stream, then the same reads with a backup stream beside them."""
+    out = {}
+    with make_engine(args, store, geometry, workers) as eng:
+        fill_pool(eng)
+        half = args.pool_pages // 2
+        read_slots, write_slots = list(range(half)), list(range(half, 2 * half))
+        for label, with_writes in (("read_only", False), ("read_with_writes", True)):
+            drop_cache(page_files(store)) if cache_method else None
+            stop = threading.Event()
+            writer_result = {}
+            if with_writes:
+                wkeys = [f"{write_prefix}-{i}" for i in range(len(read_keys))]
+
+                def writer():
+                    # Run on a thread: its Python work is small (submit + poll under the
+                    # engine's lock); the workers do the I/O.
+                    done = 0
+                    t0 = time.perf_counter()
+                    while not stop.is_set() and done < len(wkeys):
+                        batch = wkeys[done:done + len(write_slots)]
+                        op = eng.backup(batch, write_slots[:len(batch)])
+                        while not op.done:
+                            eng.wait(op, 0.05)
+                        done += len(batch)
+                    writer_result["gbps"] = done * geometry.page_bytes / (time.perf_counter() - t0) / 1e9
+                    writer_result["pages"] = done
+
+                wt = threading.Thread(target=writer)
+                wt.start()
+            gbps, counts = run_ops(eng, "prefetch", read_keys, read_slots)
+            stop.set()
+            if with_writes:
+                wt.join()
+            out[label] = {"read_gbps": gbps, "statuses": counts, **(
+                {"write_gbps": writer_result.get("gbps"), "write_pages": writer_result.get("pages")}
+                if with_writes else {})}
+            log(f"  mixed {label:17s} reads {gbps:6.2f} GB/s"
+                + (f", writes beside them {writer_result.get('gbps', 0):.2f} GB/s"
+                   if with_writes else ""))
+    out["ratio"] = out["read_with_writes"]["read_gbps"] / out["read_only"]["read_gbps"] \
+        if out["read_only"]["read_gbps"] else None
+    return out
+
+
+# --- main ------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--dir", default=None,
+                   help="directory on the device to measure (a scratch subdirectory is made in "
+                        "it and removed afterwards). Default: $TMPDIR or /tmp")
+    p.add_argument("--workers", type=int, nargs="+", default=None,
+                   help="worker counts to sweep (default: 1 2 4 8 and physical cores - 1; "
+                        "--quick: 1 2)")
+    p.add_argument("--total-gib", type=float, default=None,
+                   help="data set size in GiB (default 12; --quick 0.0625). The disk needs about "
+                        "3x this free (engine store, raw files, mixed writes)")
+    p.add_argument("--num-layers", type=int, default=32, help="geometry: layers (Llama-3.1-8B)")
+    p.add_argument("--num-kv-heads", type=int, default=8, help="geometry: KV heads")
+    p.add_argument("--head-dim", type=int, default=128, help="geometry: head dim")
+    p.add_argument("--page-size", type=int, default=64,
+                   help="tokens per page; the defaults make 8 MiB pages")
+    p.add_argument("--layout", default="page_first",
+                   choices=("page_first", "layer_first", "page_first_direct"),
+                   help="host pool layout")
+    p.add_argument("--pool-pages", type=int, default=None,
+                   help="host pool slots (default: 256, or what 2 GiB holds; --quick 32)")
+    p.add_argument("--raw-threads", type=int, default=None,
+                   help="threads of the raw preadv/pwritev ceiling (default: the largest --workers)")
+    p.add_argument("--dd-streams", type=int, default=None,
+                   help="parallel dd processes of the dd ceiling (default: the largest --workers)")
+    p.add_argument("--no-dd", action="store_true", help="skip the dd ceilings")
+    p.add_argument("--direct-io", choices=DIRECT_IO_MODES, nargs="+", default=["on", "off"],
+                   help="the engine's --hicache-mp-direct-io modes to measure, one full sweep "
+                        "each (a mode the filesystem refuses is skipped, saying why); the raw "
+                        "thread ceilings use O_DIRECT exactly when the engine does, dd always does")
+    p.add_argument("--fsync", choices=FSYNC_MODES, default="none",
+                   help="the engine's --hicache-mp-fsync for write-through")
+    p.add_argument("--no-mixed", action="store_true", help="skip the mixed read+write run")
+    p.add_argument("--quick", action="store_true",
+                   help="a small run for any machine (256 KiB pages, 64 MiB, workers 1 2): "
+                        "checks that everything works, measures nothing worth quoting")
+    p.add_argument("--json", default=None, metavar="PATH", help="write every figure as JSON")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_layers, args.num_kv_heads, args.head_dim = 4, 4, 64
+        args.total_gib = args.total_gib or 1 / 16
+        args.workers = args.workers or [1, 2]
+        args.pool_pages = args.pool_pages or 32
+    args.total_gib = args.total_gib or 12.0
+    if args.workers is None:
+        import psutil
+        top = max(1, (psutil.cpu_count(logical=False) or 2) - 1)
+        args.workers = sorted({w for w in (1, 2, 4, 8) if w < top} | {top})
+    return args
+
+
+def sweep_mode(args, mode, geometry, base, npages, raw_write_dd, raw_read_dd, method) -> dict | None:
+    """Everything that depends on the engine's I/O mode: thread ceilings, sweep, mixed."""
+    page = geometry.page_bytes
+    file_bytes = pagefile.HEADER_SIZE + page
+    top = max(args.workers)
+    threads = args.raw_threads or top
+    store, raw = os.path.join(base, f"store-{mode}"), os.path.join(base, f"raw-{mode}")
+    os.makedirs(raw)
+    args.direct_io = mode
+    try:
+        probe_engine = make_engine(args, store, geometry, 1)
+    except ValueError as exc:
+        log(f"[direct_io={mode}] skipped: {exc}")
+        return None
+    direct, why = probe_engine.direct_io, probe_engine.direct_io_reason
+    probe_engine.close()
+    out = {"direct_io": direct, "direct_io_reason": why}
+    tag = f"[direct_io={mode}]"
+    log(f"{tag} engine I/O: {why}")
+    try:
+        paths = [os.path.join(raw, f"p{i}") for i in range(npages)]
+        tw = raw_threads(paths, file_bytes, threads, True, direct)
+        log(f"{tag} raw write: {threads} threads pwritev{' O_DIRECT' if direct else ''}: {tw:.2f} GB/s")
+        out["raw_write"] = {"threads": tw, "dd": raw_write_dd}
+        shutil.rmtree(raw, ignore_errors=True)
+        sweep = []
+        read_keys = [f"page-{i}" for i in range(npages)]
+        for w in args.workers:
+            shutil.rmtree(store, ignore_errors=True)
+            with make_engine(args, store, geometry, w) as eng:
+                fill_pool(eng)
+                slots = list(range(args.pool_pages))
+                wg, wc = run_ops(eng, "backup", read_keys, slots)
+                drop_cache(page_files(store))
+                rg, rc = run_ops(eng, "prefetch", read_keys, slots)
+            sweep.append({"workers": w, "write_gbps": wg, "write_statuses": wc,
+                          "read_gbps": rg, "read_statuses": rc})
+            log(f"{tag} mp {w:3d} workers: write {wg:6.2f} GB/s {wc}   cold read {rg:6.2f} GB/s {rc}")
+        out["sweep"] = sweep
+        files = page_files(store)
+        drop_cache(files)
+        tr = raw_threads(files, file_bytes, threads, False, direct)
+        log(f"{tag} raw read: {threads} threads preadv{' O_DIRECT' if direct else ''} of the "
+            f"engine's files: {tr:.2f} GB/s")
+        out["raw_read"] = {"threads": tr, "dd": raw_read_dd}
+        if not args.no_mixed:
+            out["mixed"] = mixed(args, store, geometry, top, read_keys, "mixed", method)
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+        shutil.rmtree(raw, ignore_errors=True)
+    raw_read = max(v for v in out["raw_read"].values() if v)
+    raw_write = max(v for v in out["raw_write"].values() if v)
+    best_r = max(sweep, key=lambda r: r["read_gbps"])
+    best_w = max(sweep, key=lambda r: r["write_gbps"])
+    out["ratios"] = r = {
+        "read_over_raw": best_r["read_gbps"] / raw_read, "read_best_workers": best_r["workers"],
+        "write_over_raw": best_w["write_gbps"] / raw_write, "write_best_workers": best_w["workers"],
+        "mixed_read_over_read_only": out.get("mixed", {}).get("ratio"),
+        "raw_read_gbps": raw_read, "raw_write_gbps": raw_write}
+    log("")
+    log(f"{tag} {'workers':>8} {'write GB/s':>11} {'write/raw':>10} {'read GB/s':>10} {'read/raw':>9}")
+    for row in sweep:
+        log(f"{tag} {row['workers']:>8} {row['write_gbps']:>11.2f} "
+            f"{row['write_gbps'] / raw_write:>10.2f} {row['read_gbps']:>10.2f} "
+            f"{row['read_gbps'] / raw_read:>9.2f}")
+    log(f"{tag} raw ceilings (best of dd and threads): read {raw_read:.2f} GB/s, "
+        f"write {raw_write:.2f} GB/s")
+    log(f"{tag} cold read / raw read (best, {r['read_best_workers']} workers): "
+        f"{r['read_over_raw']:.2f}  (target >= 0.90)")
+    log(f"{tag} write / raw write (best, {r['write_best_workers']} workers): "
+        f"{r['write_over_raw']:.2f}  (target >= 0.90)")
+    if r["mixed_read_over_read_only"] is not None:
+        log(f"{tag} mixed: read GB/s with writes / read-only: "
+            f"{r['mixed_read_over_read_only']:.2f}  (target >= 0.80)")
+    log("")
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    geometry = PageGeometry(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
+                            head_dim=args.head_dim, page_size=args.page_size, layout=args.layout)
+    page = geometry.page_bytes
+    file_bytes = pagefile.HEADER_SIZE + page
+    if args.pool_pages is None:
+        args.pool_pages = max(8, min(256, (2 << 30) // page))
+    npages = max(args.pool_pages, int(args.total_gib * (1 << 30)) // page)
+    top = max(args.workers)
+    streams = args.dd_streams or top
+    modes = list(dict.fromkeys(args.direct_io))
+    base = tempfile.mkdtemp(prefix="bench_storage.", dir=args.dir)
+    report = {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              "command": sys.argv, "config": {k: v for k, v in vars(args).items() if k != "json"},
+              "page_bytes": page, "file_bytes": file_bytes, "pages": npages,
+              "dataset_bytes": npages * page, "directory": base, "modes": {}}
+    report["config"]["direct_io"] = modes
+    try:
+        vfs = os.statvfs(base)
+        need = 2 * npages * file_bytes + npages * file_bytes // 2
+        if vfs.f_bavail * vfs.f_frsize < need:
+            log(f"warning: {vfs.f_bavail * vfs.f_frsize / 1e9:.1f} GB free under {base}, the run "
+                f"needs about {need / 1e9:.1f} GB; lower --total-gib")
+        log(f"bench_storage: {npages} pages of {page / 2**20:.2f} MiB ({npages * page / 1e9:.2f} GB) "
+            f"in {base}; workers {args.workers}; engine I/O modes {modes}")
+        method = drop_cache([])
+        report["cache_drop"] = method
+        log(f"page cache dropped with {method} before every read pass")
+        dd_w = dd_r = None
+        if not args.no_dd:
+            ddir = os.path.join(base, "dd")
+            os.makedirs(ddir)
+            dd_w = raw_dd(ddir, file_bytes, npages, streams, True)
+            if dd_w:
+                log(f"raw write: {streams} x dd oflag=direct: {dd_w:.2f} GB/s")
+                drop_cache([os.path.join(ddir, f) for f in os.listdir(ddir)])
+                dd_r = raw_dd(ddir, file_bytes, npages, streams, False)
+                if dd_r:
+                    log(f"raw read: {streams} x dd iflag=direct: {dd_r:.2f} GB/s")
+            shutil.rmtree(ddir, ignore_errors=True)
+        report["raw_dd"] = {"write_gbps": dd_w, "read_gbps": dd_r, "streams": streams}
+        for mode in modes:
+            out = sweep_mode(args, mode, geometry, base, npages, dd_w, dd_r, method)
+            if out is not None:
+                report["modes"][mode] = out
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        log(f"wrote {args.json}")
+    return 0 if report["modes"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

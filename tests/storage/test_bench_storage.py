@@ -1,0 +1,40 @@
+"""scripts/bench_storage.py runs end to end at --quick scale and writes its JSON."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_bench_storage_quick(tmp_path):
+    out = tmp_path / "bs.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_storage.py"),
+                           "--quick", "--dir", str(tmp_path), "--json", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["schema"] == "hicache_mp.bench_storage/1"
+    assert "cache_drop" in report and set(report["modes"]) == {"on", "off"} or \
+        set(report["modes"]) == {"off"}  # "on" is skipped where the disk refuses O_DIRECT
+    for mode in report["modes"].values():
+        assert [r["workers"] for r in mode["sweep"]] == [1, 2]
+        for row in mode["sweep"]:
+            assert row["read_statuses"] == {"ok": report["pages"]}, row
+            assert row["write_statuses"] == {"ok": report["pages"]}, row
+        r = mode["ratios"]
+        assert r["raw_read_gbps"] > 0 and r["raw_write_gbps"] > 0
+        assert r["read_over_raw"] > 0 and r["write_over_raw"] > 0
+        assert mode["mixed"]["read_with_writes"]["statuses"].get("ok", 0) > 0
+    assert "target >= 0.90" in proc.stdout
+    assert not os.listdir(tmp_path) == []  # the JSON stays; the scratch directory went
+    assert [p for p in os.listdir(tmp_path) if p.startswith("bench_storage.")] == []
+
+
+def test_bench_storage_help_names_every_flag():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_storage.py"),
+                           "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    for flag in ("--dir", "--workers", "--total-gib", "--direct-io", "--fsync", "--quick",
+                 "--json", "--no-mixed", "--no-dd", "--raw-threads", "--dd-streams"):
+        assert flag in proc.stdout

@@ -1,0 +1,148 @@
+"""Capacity: the evictor keeps the store under `storage_max_bytes` (and above
+`storage_min_free_bytes`) while reads go on, by last access, never removing a
+page that an op in flight names; writes that would cross a limit are dropped
+with a status at once; the index forgets what was evicted.
+"""
+import os
+import time
+
+from faultkit import backup, content, fingerprint, make, page_file, prefetch, put, settle, \
+    wrong_pages
+from storagekit import ALIGNED, FILE_BYTES, cont, mount, need_root, stop_workers, store_bytes, \
+    umount
+from workers import naming
+
+
+def _allowed(e):
+    return lambda k: {fingerprint(content(k, e.geometry.page_bytes))}
+
+
+def _limited(store, files, **kw):
+    return make(store, geo=ALIGNED, storage_max_bytes=files * FILE_BYTES,
+                eviction_interval_s=0.2, **kw)
+
+
+def _evicted(e, n, timeout_s=10.0):
+    """Wait until the engine has heard of at least n evictions."""
+    return settle(lambda: e.poll() is not None and e.metrics()["evicted_pages"] >= n, timeout_s)
+
+
+def test_store_stays_under_max_bytes_while_serving_reads(store):
+    limit = 24 * FILE_BYTES
+    with _limited(store, 24, pages=32, workers=2) as e:
+        written = []
+        peak = 0
+        for rnd in range(10):
+            keys = [f"r{rnd}-{i}" for i in range(6)]
+            slots = range(6 * (rnd % 2), 6 * (rnd % 2) + 6)
+            op = backup(e, keys, slots)
+            peak = max(peak, store_bytes(store))
+            ok = [k for k, s in zip(keys, op.page_status.tolist()) if s == 1]
+            written.extend(ok)
+            got = prefetch(e, ok, range(12, 12 + len(ok)))
+            assert got.status == "ok", (rnd, got.status_counts())  # the newest pages are there
+            assert not wrong_pages(e, got, _allowed(e))
+            peak = max(peak, store_bytes(store))
+            assert peak <= limit, f"store at {peak} bytes, limit {limit} (round {rnd})"
+        assert _evicted(e, 30)
+        assert store_bytes(store) <= limit
+        # The index forgot what was evicted: it claims exactly the pages on disk.
+        claimed = {k for k in written if e.exists([k])}
+        on_disk = {k for k in written if os.path.exists(page_file(e, k))}
+        assert claimed == on_disk and len(on_disk) < len(written)
+        assert e.exists(["r0-0"]) == 0
+        assert e.metrics()["evicted_bytes"] >= 30 * FILE_BYTES
+
+
+def test_eviction_follows_last_access_recorded_by_workers(store):
+    with _limited(store, 16, pages=32, workers=2) as e:
+        old = [f"k{i}" for i in range(11)]
+        backup(e, old, range(11))
+        before = os.stat(page_file(e, "k0")).st_mtime_ns
+        time.sleep(1.1)
+        hot, cold = old[:2], old[2:]
+        assert prefetch(e, hot, range(11, 13)).status == "ok"  # workers stamp these as used
+        assert os.stat(page_file(e, "k0")).st_mtime_ns > before
+        new = ["n0", "n1"]
+        backup(e, new, range(13, 15))  # 13 files: over the trigger (12)
+        # A pass evicts down to 8 files by its estimate, which counts writes in
+        # flight (and may count one twice): 5 to 9 pages, the least recently used.
+        assert _evicted(e, 4)
+        time.sleep(0.5)
+        e.poll()
+        for k in hot + new:
+            assert os.path.exists(page_file(e, k)), f"recently used {k} was evicted"
+        gone = [k for k in cold if not os.path.exists(page_file(e, k))]
+        assert len(gone) == e.metrics()["evicted_pages"] >= 4, gone
+
+
+def test_pages_in_flight_survive_eviction(store):
+    with _limited(store, 16, pages=32, workers=2) as a:
+        old = [f"k{i}" for i in range(10)]
+        backup(a, old, range(10))
+        queued = old[:4]                    # the least recently used: first in line to go
+        pids = stop_workers(a)
+        try:
+            op = a.prefetch(queued, range(10, 14))
+            with make(store, geo=ALIGNED, pages=8, workers=1) as b:   # another engine, no limit
+                backup(b, [f"b{i}" for i in range(6)], range(6))      # 16 files: over the trigger
+            # A pass evicts down to 8 files (8 pages); one that ran while b was still
+            # writing removed fewer. Either way, the oldest pages that are not in flight.
+            assert _evicted(a, 4)
+            time.sleep(0.5)
+            a.poll()
+            for k in queued:
+                assert os.path.exists(page_file(a, k)), f"{k} was evicted while in flight"
+            gone = [k for k in old[4:] if not os.path.exists(page_file(a, k))]
+            assert len(gone) == min(6, a.metrics()["evicted_pages"]), gone
+        finally:
+            cont(pids)
+        assert a.wait(op, 30) and op.status == "ok", op.status_counts()
+        assert not wrong_pages(a, op, _allowed(a))
+
+
+def test_write_over_max_bytes_is_dropped_with_a_status_never_stalled(store):
+    with _limited(store, 12, pages=16, workers=2) as e:
+        # Bytes the evictor may not remove: a live writer's temp file (ours).
+        d = os.path.join(store, "ab", "cd")
+        os.makedirs(d, mode=0o700)
+        tmp = naming.tmp_path(os.path.join(d, "ab" * 32 + naming.PAGE_SUFFIX), os.getpid(), 1)
+        with open(tmp, "wb") as f:
+            f.truncate(13 * FILE_BYTES)
+        try:
+            time.sleep(0.5)  # an evictor pass sees the store over its limit
+            t0 = time.monotonic()
+            for k, s in zip(["x0", "x1", "x2"], range(3)):
+                put(e, s, content(k, e.geometry.page_bytes))
+            op = e.backup(["x0", "x1", "x2"], range(3))
+            assert e.wait(op, 5), "backup stalled"
+            assert time.monotonic() - t0 < 5
+            assert op.status_counts() == {"dropped": 3}
+            assert e.metrics()["write_status"]["dropped"] == 3
+            assert not os.path.exists(page_file(e, "x0"))
+        finally:
+            os.unlink(tmp)
+        time.sleep(0.5)  # the next pass sees the space back
+        assert backup(e, ["x0"], [0]).status == "ok"
+
+
+def test_min_free_bytes_is_kept_on_a_small_filesystem(tmp_path):
+    need_root()
+    mnt = str(tmp_path / "mnt")
+    os.mkdir(mnt)
+    if not mount(mnt, "tmpfs", "size=4m", "mode=0700"):
+        import pytest
+        pytest.skip("cannot mount a tmpfs")
+    try:
+        floor = 2 << 20
+        with make(mnt, geo=ALIGNED, pages=16, workers=2, storage_min_free_bytes=floor,
+                  eviction_interval_s=0.2) as e:
+            for rnd in range(8):
+                keys = [f"m{rnd}-{i}" for i in range(8)]
+                op = backup(e, keys, range(8))
+                assert "nospace" not in op.status_counts(), op.status_counts()
+                vfs = os.statvfs(mnt)
+                assert vfs.f_bavail * vfs.f_frsize >= floor
+            assert _evicted(e, 8)
+    finally:
+        umount(mnt)

@@ -1,0 +1,286 @@
+"""The evictor: keeps a page store under its byte limit and above its free-space floor.
+
+Runs as its own process (``python -m workers.evictor hicache_mp-evictor '<json>'``),
+started by the engine when `storage_max_bytes` or `storage_min_free_bytes` is
+set. A process, not a thread in the scheduler: a store of many pages takes
+thousands of stat/unlink calls per pass, and a thread would both compete with
+the scheduler's loop for the GIL and starve behind it (DESIGN.md §1), falling
+behind writes exactly when the disk fills. Torch-free, like the workers.
+
+    engine                        evictor                           workers
+    ------                        -------                           -------
+    PINS[h(digest)] += 1  ──────► never unlinks a pinned page
+    on submit, -= 1 on done       scan: stat every page file        futimens after a read
+                                  (mtime = last access) ◄────────── (the LRU stamp)
+    poll(): evict_ring.pop() ◄─── push (KIND_EVICT, digest, bytes)  reserve bytes before a
+    index forgets the page        per page removed                  write; over a limit:
+                                  sleeps on evict_sem ◄──────────── DROPPED, post evict_sem
+
+A pass (when a worker posts that a limit is near, and every `interval_s`):
+  1. snapshot sum(WRITTEN) and sum(INFLIGHT), scan the fan-out directories
+     (page files and temp files count towards the total; only page files are
+     removed);
+  2. publish STORE_BASE (scanned bytes + INFLIGHT), then WRITTEN_AT_SCAN
+     (workers.control explains the order);
+  3. if the total is above `max_bytes - headroom` or free space below
+     `min_free + headroom`: unlink the least recently accessed unpinned pages
+     until the total is at most `max_bytes - 2 * headroom` and free space at
+     least `min_free + 2 * headroom` (hysteresis: one pass frees room for
+     several writes, not one), reporting each on the evict ring.
+
+Safety with several engines on one directory: page files are immutable
+(writers rename a whole new file over the old name), so removing one never
+tears anything: a reader that opened it keeps reading the same inode, and one
+that opens after the unlink gets ENOENT, a clean miss. Pins are per engine:
+another engine's evictor may remove a page this engine is about to read,
+which costs that read a miss, never wrong bytes. A page can also be removed
+between the pin check and the unlink if an op pins it in that window (a few
+microseconds); that too is a clean miss, counted, and the index heals.
+
+Must not read page contents, and must not remove anything that is not a page
+file (temp files belong to writers, quarantined files to the operator).
+
+Record fields on the evict ring: kind=KIND_EVICT, digest, io_ns = bytes freed.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from shm import Ring, WakeSemaphore
+from shm.ring import KIND_EVICT, RECORD_DTYPE
+from workers import naming
+from workers.control import EVICTOR_PID, INFLIGHT, MAX_BYTES, MIN_FREE, STOP, STORE_BASE, WRITTEN, \
+    WRITTEN_AT_SCAN, Control, pin_slot
+
+PARENT_CHECK_S = 0.25
+EVICT_RING_CAPACITY = 8192
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def headroom_bytes(max_bytes: int, min_free: int, file_bytes: int) -> int:
+    """Hysteresis band: 5 % of the larger limit, and at least four page files."""
+    return max(4 * file_bytes, max(max_bytes, min_free) // 20)
+
+
+class Evictor:
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        self.root = cfg["storage_dir"]
+        self.parent_pid = cfg["parent_pid"]
+        self.interval_s = cfg["interval_s"]
+        self.headroom = cfg["headroom"]
+        self.control = Control(cfg["control"], create=False)
+        self.ring = Ring(cfg["evict_ring"], cfg["evict_ring_capacity"], create=False)
+        self.wake = WakeSemaphore(cfg["evict_sem"], create=False)
+        self.out = np.zeros(1, dtype=RECORD_DTYPE)
+        self.out["kind"] = KIND_EVICT
+        self.out["host_page"] = -1
+
+    def run(self) -> int:
+        self.control.words[EVICTOR_PID] = os.getpid()
+        orphaned = False
+        while not self.control.stopping():
+            if os.getppid() != self.parent_pid:
+                orphaned = True
+                break
+            self.one_pass()
+            deadline = time.monotonic() + self.interval_s
+            while not self.control.stopping() and os.getppid() == self.parent_pid:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.wake.wait(min(left, PARENT_CHECK_S)):
+                    break
+            self.wake.drain()  # a burst of posts from workers costs one pass
+        if orphaned:
+            import posix_ipc
+            for name in self.cfg.get("orphan_unlink_shm", []):
+                try:
+                    posix_ipc.unlink_shared_memory("/" + name)
+                except (posix_ipc.ExistentialError, PermissionError):
+                    pass
+            for name in self.cfg.get("orphan_unlink_sem", []):
+                WakeSemaphore.unlink_name(name)
+        return 0
+
+    # --- one pass -----------------------------------------------------------
+    def one_pass(self) -> int:
+        words = self.control.words
+        # WRITTEN first, then INFLIGHT: a write reserved between the two loads is
+        # then counted twice (safe), never missed. A write in flight now may not
+        # be on disk when the scan passes its directory: INFLIGHT covers it.
+        written_before = int(self.control.workers[:, WRITTEN].sum())
+        in_flight = int(self.control.workers[:, INFLIGHT].sum())
+        pages, total = scan(self.root)
+        total += in_flight
+        # Anything written while we scanned may be counted twice: an over-estimate.
+        words[STORE_BASE] = total
+        words[WRITTEN_AT_SCAN] = written_before
+        max_bytes, min_free = int(words[MAX_BYTES]), int(words[MIN_FREE])
+        need = 0
+        if max_bytes and total > max_bytes - self.headroom:
+            need = total - (max_bytes - 2 * self.headroom)
+        free = _free_bytes(self.root)
+        if min_free and free is not None and free < min_free + self.headroom:
+            need = max(need, min_free + 2 * self.headroom - free)
+        if need <= 0:
+            return 0
+        pages.sort()  # oldest access first
+        pins = self.control.pins
+        freed = removed = 0
+        for _mtime, size, path, digest in pages:
+            if freed >= need or self.control.stopping():
+                break
+            if pins[pin_slot(digest)]:
+                continue  # in flight in this engine: never evicted
+            if not self._room_to_report():
+                break  # the engine is not polling; evict more once it has caught up
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass  # another engine removed or replaced it: the space is gone anyway
+            except OSError:
+                continue
+            freed += size
+            removed += 1
+            words[STORE_BASE] = max(0, int(words[STORE_BASE]) - size)
+            self.out["digest"][0] = np.frombuffer(digest, dtype=np.uint8)
+            self.out["io_ns"][0] = size
+            self.ring.push(self.out)
+        return removed
+
+    def _room_to_report(self) -> bool:
+        """Every removal is reported (the index must forget it): wait briefly for room."""
+        deadline = time.monotonic() + 1.0
+        while self.ring.free() == 0:
+            if time.monotonic() > deadline or self.control.stopping():
+                return False
+            time.sleep(0.005)
+        return True
+
+
+def scan(root: str) -> tuple[list, int]:
+    """([(mtime_ns, bytes, path, digest)] of page files, bytes of pages and temp files)."""
+    pages, total = [], 0
+    for top in _subdirs(root):
+        for sub in _subdirs(top):
+            try:
+                it = os.scandir(sub)
+            except OSError:
+                continue
+            with it:
+                for entry in it:
+                    digest = naming.digest_from_name(entry.name)
+                    if digest is None and naming.TMP_MARK not in entry.name:
+                        continue
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue  # removed under us
+                    total += st.st_size
+                    if digest is not None:
+                        pages.append((st.st_mtime_ns, st.st_size, entry.path, digest))
+    return pages, total
+
+
+def _subdirs(path: str) -> list[str]:
+    try:
+        with os.scandir(path) as it:
+            return [e.path for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
+
+
+def _free_bytes(path: str) -> int | None:
+    try:
+        vfs = os.statvfs(path)
+    except OSError:
+        return None
+    return vfs.f_bavail * vfs.f_frsize
+
+
+# --- the engine's side: start, watch, stop ---------------------------------------
+class EvictorProcess:
+    """The engine's handle on its evictor: the ring, the semaphore and the process.
+
+    Shutdown: the engine sets STOP (WorkerPool.stop), then `close()` posts the
+    semaphore, waits up to `grace_s`, kills a straggler, and unlinks the ring
+    and the semaphore.
+    """
+
+    def __init__(self, *, tag: str, control: Control, storage_dir: str, interval_s: float,
+                 headroom: int):
+        self.control = control
+        self.ring = Ring(tag + ".evict", EVICT_RING_CAPACITY, create=True)
+        try:
+            self.wake = WakeSemaphore(tag + ".evictwake", create=True)
+        except BaseException:
+            self.ring.close()
+            raise
+        self.cfg = {"storage_dir": storage_dir, "parent_pid": os.getpid(), "interval_s": interval_s,
+                    "headroom": headroom, "control": control.name, "evict_ring": self.ring.name,
+                    "evict_ring_capacity": EVICT_RING_CAPACITY, "evict_sem": self.wake.name,
+                    "orphan_unlink_shm": [self.ring.name, control.name],
+                    "orphan_unlink_sem": [self.wake.name]}
+        self.proc = None
+        self.respawns = 0
+        self.evicted_pages = 0
+        self.evicted_bytes = 0
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = _PACKAGE_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        self.control.words[EVICTOR_PID] = 0
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "workers.evictor", "hicache_mp-evictor", json.dumps(self.cfg)],
+            env=env, stdin=subprocess.DEVNULL, close_fds=True)
+        deadline = time.monotonic() + timeout_s
+        while int(self.control.words[EVICTOR_PID]) != self.proc.pid:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"hicache_mp-evictor exited with code {self.proc.returncode} "
+                                   f"before it was ready")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"hicache_mp-evictor not ready after {timeout_s}s")
+            time.sleep(0.002)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def pop(self) -> np.ndarray:
+        recs = self.ring.pop()
+        if len(recs):
+            self.evicted_pages += len(recs)
+            self.evicted_bytes += int(recs["io_ns"].sum())
+        return recs
+
+    def close(self, grace_s: float = 2.0) -> None:
+        if self.proc is not None:
+            self.control.words[STOP] = 1
+            try:
+                self.wake.post()
+            except Exception:
+                pass
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+        self.ring.close()
+        self.wake.close()
+
+
+def main(argv: list[str]) -> int:
+    name, cfg = argv[1], json.loads(argv[2])
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except Exception:
+        pass
+    return Evictor(cfg).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
