@@ -11,6 +11,7 @@ import time
 
 from shm.names import pid_alive
 from workers import naming
+from workers.storedir import fanout_dirs
 
 
 class StoreIndex:
@@ -22,24 +23,23 @@ class StoreIndex:
     def scan(self) -> int:
         """Rebuild from the directory tree; returns the page count."""
         found = set()
-        for top in _subdirs(self.root):
-            for sub in _subdirs(top):
-                try:
-                    names = os.listdir(sub)
-                except OSError:
+        for sub in fanout_dirs(self.root):
+            try:
+                names = os.listdir(sub)
+            except OSError:
+                continue
+            for name in names:
+                digest = naming.digest_from_name(name)
+                if digest is not None:
+                    found.add(digest)
                     continue
-                for name in names:
-                    digest = naming.digest_from_name(name)
-                    if digest is not None:
-                        found.add(digest)
-                        continue
-                    writer = naming.tmp_owner(name)
-                    if writer is not None and _stale_tmp(os.path.join(sub, name), name, writer):
-                        try:
-                            os.unlink(os.path.join(sub, name))
-                            self.stale_tmp_removed += 1
-                        except OSError:
-                            pass
+                writer = naming.tmp_owner(name)
+                if writer is not None and _stale_tmp(os.path.join(sub, name), name, writer):
+                    try:
+                        os.unlink(os.path.join(sub, name))
+                        self.stale_tmp_removed += 1
+                    except OSError:
+                        pass
         self.digests = found
         return len(found)
 
@@ -75,10 +75,3 @@ def _stale_tmp(path: str, name: str, writer: int) -> bool:
     except OSError:
         return False
 
-
-def _subdirs(path: str) -> list[str]:
-    try:
-        with os.scandir(path) as it:
-            return [e.path for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
-    except OSError:
-        return []

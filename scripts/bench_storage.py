@@ -31,7 +31,6 @@ import json
 import mmap
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile

@@ -48,6 +48,23 @@ def list_ours(shm_dir: str = SHM_DIR) -> list[str]:
     return sorted(e for e in entries if owner_pid(e) is not None)
 
 
+def unlink_names(segments, semaphores) -> None:
+    """Unlink named segments and semaphores, ignoring ones already gone.
+
+    An orphaned worker or evictor calls this for the names it knows, so a
+    crashed scheduler leaves nothing in /dev/shm."""
+    for name in segments:
+        try:
+            posix_ipc.unlink_shared_memory("/" + name)
+        except (posix_ipc.ExistentialError, PermissionError):
+            pass
+    for name in semaphores:
+        try:
+            posix_ipc.unlink_semaphore("/" + name)
+        except (posix_ipc.ExistentialError, PermissionError):
+            pass
+
+
 def clean_stale(shm_dir: str = SHM_DIR) -> list[str]:
     """Unlink every segment and semaphore whose owner pid is dead.
 

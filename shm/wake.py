@@ -47,11 +47,3 @@ class WakeSemaphore:
             self._sem.close()
         except posix_ipc.ExistentialError:
             pass
-
-    @staticmethod
-    def unlink_name(name: str) -> None:
-        try:
-            posix_ipc.unlink_semaphore("/" + name)
-        except (posix_ipc.ExistentialError, PermissionError):
-            pass
-

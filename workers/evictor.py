@@ -51,8 +51,10 @@ import time
 import numpy as np
 
 from shm import Ring, WakeSemaphore
+from shm.names import unlink_names
 from shm.ring import KIND_EVICT, RECORD_DTYPE
 from workers import naming
+from workers.storedir import fanout_dirs
 from workers.control import EVICTOR_PID, INFLIGHT, MAX_BYTES, MIN_FREE, STOP, STORE_BASE, WRITTEN, \
     WRITTEN_AT_SCAN, Control, pin_slot
 
@@ -95,14 +97,7 @@ class Evictor:
                     break
             self.wake.drain()  # a burst of posts from workers costs one pass
         if orphaned:
-            import posix_ipc
-            for name in self.cfg.get("orphan_unlink_shm", []):
-                try:
-                    posix_ipc.unlink_shared_memory("/" + name)
-                except (posix_ipc.ExistentialError, PermissionError):
-                    pass
-            for name in self.cfg.get("orphan_unlink_sem", []):
-                WakeSemaphore.unlink_name(name)
+            unlink_names(self.cfg.get("orphan_unlink_shm", []), self.cfg.get("orphan_unlink_sem", []))
         return 0
 
     # --- one pass -----------------------------------------------------------
@@ -164,33 +159,24 @@ class Evictor:
 def scan(root: str) -> tuple[list, int]:
     """([(mtime_ns, bytes, path, digest)] of page files, bytes of pages and temp files)."""
     pages, total = [], 0
-    for top in _subdirs(root):
-        for sub in _subdirs(top):
-            try:
-                it = os.scandir(sub)
-            except OSError:
-                continue
-            with it:
-                for entry in it:
-                    digest = naming.digest_from_name(entry.name)
-                    if digest is None and naming.TMP_MARK not in entry.name:
-                        continue
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except OSError:
-                        continue  # removed under us
-                    total += st.st_size
-                    if digest is not None:
-                        pages.append((st.st_mtime_ns, st.st_size, entry.path, digest))
+    for sub in fanout_dirs(root):
+        try:
+            it = os.scandir(sub)
+        except OSError:
+            continue
+        with it:
+            for entry in it:
+                digest = naming.digest_from_name(entry.name)
+                if digest is None and naming.TMP_MARK not in entry.name:
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue  # removed under us
+                total += st.st_size
+                if digest is not None:
+                    pages.append((st.st_mtime_ns, st.st_size, entry.path, digest))
     return pages, total
-
-
-def _subdirs(path: str) -> list[str]:
-    try:
-        with os.scandir(path) as it:
-            return [e.path for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
-    except OSError:
-        return []
 
 
 def _free_bytes(path: str) -> int | None:

@@ -49,6 +49,7 @@ import numpy as np
 
 from shm import PageGeometry, Ring, WakeSemaphore
 from shm.hostpool import HostPool
+from shm.names import unlink_names
 from shm.ring import KIND_READ, RECORD_DTYPE
 from workers import directio, naming, pagefile, status
 from workers.storedir import DIR_MODE, ensure_parent
@@ -343,14 +344,7 @@ class Worker:
         return None
 
     def _unlink_all(self) -> None:
-        import posix_ipc
-        for name in self.cfg.get("orphan_unlink_shm", []):
-            try:
-                posix_ipc.unlink_shared_memory("/" + name)
-            except (posix_ipc.ExistentialError, PermissionError):
-                pass
-        for name in self.cfg.get("orphan_unlink_sem", []):
-            WakeSemaphore.unlink_name(name)
+        unlink_names(self.cfg.get("orphan_unlink_shm", []), self.cfg.get("orphan_unlink_sem", []))
 
 
 def _preadv_full(fd: int, iovecs: list, total: int, direct: bool = False) -> int:

@@ -59,6 +59,7 @@ import torch
 from shm import PageGeometry
 from workers import naming
 from workers import status as st
+from workers.storedir import fanout_dirs
 
 from ..config import EngineConfig
 from ..engine import PrefetchEngine
@@ -471,15 +472,14 @@ class HiCacheMP(HiCacheStorage):
         clears its directory). Other files are left alone."""
         root = self.storage_dir
         removed = 0
-        for top in _subdirs(root):
-            for sub in _subdirs(top):
-                for name in os.listdir(sub):
-                    if naming.digest_from_name(name) is not None:
-                        try:
-                            os.unlink(os.path.join(sub, name))
-                            removed += 1
-                        except FileNotFoundError:
-                            pass
+        for sub in fanout_dirs(root):
+            for name in os.listdir(sub):
+                if naming.digest_from_name(name) is not None:
+                    try:
+                        os.unlink(os.path.join(sub, name))
+                        removed += 1
+                    except FileNotFoundError:
+                        pass
         for eng in self._engines():
             eng.index.digests.clear()
         log.info("hicache_mp: cleared %d pages from %s", removed, root)
@@ -544,11 +544,3 @@ class HiCacheMP(HiCacheStorage):
             self.close()
         except Exception:
             pass
-
-
-def _subdirs(path: str) -> list[str]:
-    try:
-        with os.scandir(path) as it:
-            return [e.path for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
-    except OSError:
-        return []
