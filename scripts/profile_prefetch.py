@@ -7,8 +7,9 @@ it (the counterpart of the alloc/io/copy lines in SGLang's log), the write-back
 ops' rates, each worker's busy fraction, and writes a Chrome-trace JSON
 (chrome://tracing or https://ui.perfetto.dev) of batches, ops and page
 landings. Must not hold logic: hicache_mp.sim.profile builds the figures.
-H2D time is not shown: this scheduler charges compute instead of loading pages
-to a GPU.
+With --device-load (default auto: when CUDA is available) each op's pages also
+go to a device KV cache through DeviceLoader, and `h2d_ms` shows the time from
+the op's last page landing until all its pages were on the device.
 
     python scripts/profile_prefetch.py --quick                      # mp
     python scripts/profile_prefetch.py --quick --backend file       # the starved thread
@@ -38,6 +39,9 @@ def parse(argv):
     p.add_argument("--storage-dir", default=None, help="page store (default: a temp dir)")
     p.add_argument("--scheduler-yield-ms", type=float, default=1.0,
                    help="sleep per loop iteration of the file+yield backend")
+    p.add_argument("--device-load", choices=("auto", "on", "off"), default="auto",
+                   help="load pages to a device KV cache (auto: when CUDA is available; "
+                        "on: also the CPU fallback) and show H2D time per op")
     p.add_argument("--trace", default="prefetch_trace.json", help="Chrome-trace JSON to write")
     p.add_argument("--limit", type=int, default=40, help="ops to list one by one")
     return p.parse_args(argv)
@@ -49,7 +53,7 @@ def main(argv=None) -> int:
         runs=(a.backend,), num_requests=a.num_requests, seed=a.seed, quick=a.quick,
         page_size=a.page_size, layout=a.hicache_mem_layout, workers=a.hicache_mp_workers,
         policy=a.hicache_storage_prefetch_policy, yield_ms=a.scheduler_yield_ms,
-        storage_dir=a.storage_dir))
+        storage_dir=a.storage_dir, device_load=a.device_load))
     got = {}
     bench.run(on_result=lambda label, res, figs: got.update(res=res, figs=figs))
     res, figs = got["res"], got["figs"]

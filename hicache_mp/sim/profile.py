@@ -13,13 +13,15 @@ stamped when `poll()` drains the completion, I/O time by the reader):
   io_ms     summed per-page read time (reader-seconds; over the wall time it
             is the op's parallelism);
   drain_ms  first page landed -> last page landed;
-  seen_ms   last page landed -> the scheduler acted on the op (policy check).
+  seen_ms   last page landed -> the scheduler acted on the op (policy check);
+  h2d_ms    last page landed -> every landed page seen on the device (0 when
+            pages are not loaded to a device: --device-load off).
 """
 from __future__ import annotations
 
 import numpy as np
 
-PHASES = ("queue_ms", "io_ms", "drain_ms", "seen_ms", "wall_ms")
+PHASES = ("queue_ms", "io_ms", "drain_ms", "seen_ms", "h2d_ms", "wall_ms")
 
 
 def op_breakdown(records) -> list[dict]:
@@ -35,6 +37,7 @@ def op_breakdown(records) -> list[dict]:
             "io_ms": r.io_ns / 1e6,
             "drain_ms": (r.done_ns - r.first_ns) / 1e6,
             "seen_ms": max(0.0, (r.seen_ns - r.done_ns) / 1e6) if r.seen_ns else 0.0,
+            "h2d_ms": max(0.0, (r.h2d_seen_ns - r.done_ns) / 1e6) if r.h2d_seen_ns else 0.0,
             "wall_ms": (r.done_ns - r.submit_ns) / 1e6,
         })
     return rows
@@ -52,12 +55,13 @@ def phase_stats(rows: list[dict]) -> dict:
 
 def format_breakdown(rows: list[dict], limit: int = 40) -> str:
     head = f"{'rid':>4} {'pages':>6} {'MB':>8} {'status':>8} {'queue ms':>10} {'io ms':>10} " \
-           f"{'drain ms':>10} {'seen ms':>10} {'wall ms':>10} {'GB/s':>7}"
+           f"{'drain ms':>10} {'seen ms':>10} {'h2d ms':>10} {'wall ms':>10} {'GB/s':>7}"
     lines = [head, "-" * len(head)]
     for r in rows[:limit]:
         lines.append(f"{r['rid']:>4} {r['pages']:>6} {r['mb']:>8.1f} {r['status']:>8} "
                      f"{r['queue_ms']:>10.2f} {r['io_ms']:>10.2f} {r['drain_ms']:>10.2f} "
-                     f"{r['seen_ms']:>10.3f} {r['wall_ms']:>10.2f} {r['gbps'] or 0:>7.2f}")
+                     f"{r['seen_ms']:>10.3f} {r['h2d_ms']:>10.2f} {r['wall_ms']:>10.2f} "
+                     f"{r['gbps'] or 0:>7.2f}")
     if len(rows) > limit:
         lines.append(f"... {len(rows) - limit} more ops")
     stats = phase_stats(rows)
