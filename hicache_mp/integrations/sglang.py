@@ -334,46 +334,61 @@ class HiCacheMP(HiCacheStorage):
             self._counts["staging_copies"] += 1
             self._counts["staging_copy_bytes"] += self.geometry.page_bytes
 
-    def _staged_get(self, keys, pages) -> int:
-        """Read into staging slots, copy the leading landed pages to SGLang's pool."""
-        stg = self._staging_path()
-        done = 0
-        while done < len(keys):
-            slots = stg.take(len(keys) - done)
-            try:
-                n = len(slots)
-                op = stg.engine.prefetch(keys[done:done + n], slots, policy="wait_complete")
-                self._wait_on(stg.engine, op)
-                landed = op.completed_pages
-                for j in range(landed):
-                    self._copy(host_page_view(self.mem_pool_host, int(pages[done + j]), self.is_mla),
-                               stg.engine.host_pool.page_view(slots[j]))
-            finally:
-                stg.give(slots)
-            done += landed
-            if landed < n:
-                break
-        return done
+    def _through_staging(self, keys, *, write: bool, fill=None, take_out=None,
+                         stop_short: bool = False) -> np.ndarray:
+        """Move `keys` through the staging engine in chunks of free slots.
 
-    def _staged_set(self, keys, pages) -> np.ndarray:
+        `fill(start, slots)` puts pages into the slots before a write;
+        `take_out(start, slots, op)` copies pages out after a read. Returns one
+        bool per key (page ok). With `stop_short`, stops after the first chunk
+        whose pages did not all land, since only the leading run counts.
+        """
         stg = self._staging_path()
         ok = np.zeros(len(keys), dtype=bool)
         done = 0
         while done < len(keys):
             slots = stg.take(len(keys) - done)
+            n = len(slots)
+            chunk = keys[done:done + n]
             try:
-                n = len(slots)
-                for j in range(n):
-                    self._copy(stg.engine.host_pool.page_view(slots[j]),
-                               host_page_view(self.mem_pool_host, int(pages[done + j]), self.is_mla))
-                op = stg.engine.backup(keys[done:done + n], slots)
+                if fill is not None:
+                    fill(done, slots)
+                op = (stg.engine.backup(chunk, slots) if write else
+                      stg.engine.prefetch(chunk, slots, policy="wait_complete"))
                 self._wait_on(stg.engine, op)
                 ok[done:done + n] = op.page_status == st.OK
+                if take_out is not None:
+                    take_out(done, slots, op)
             finally:
                 stg.give(slots)
-            self._index_written(keys[done:done + n], ok[done:done + n], stg.engine)
+            if write:
+                self._index_written(chunk, ok[done:done + n], stg.engine)
             done += n
+            if stop_short and op.completed_pages < n:
+                break
         return ok
+
+    def _staged_get(self, keys, pages) -> int:
+        """Read into staging slots, copy the leading landed pages to SGLang's pool."""
+        pool = self._staging_path().engine.host_pool
+
+        def take_out(start, slots, op):
+            for j in range(op.completed_pages):
+                self._copy(host_page_view(self.mem_pool_host, int(pages[start + j]), self.is_mla),
+                           pool.page_view(slots[j]))
+
+        ok = self._through_staging(keys, write=False, take_out=take_out, stop_short=True)
+        return len(ok) if ok.all() else int(np.argmin(ok))
+
+    def _staged_set(self, keys, pages) -> np.ndarray:
+        pool = self._staging_path().engine.host_pool
+
+        def fill(start, slots):
+            for j, slot in enumerate(slots):
+                self._copy(pool.page_view(slot),
+                           host_page_view(self.mem_pool_host, int(pages[start + j]), self.is_mla))
+
+        return self._through_staging(keys, write=True, fill=fill)
 
     def _wait_on(self, eng: PrefetchEngine, op: Op) -> None:
         """Block (semaphore, GIL released; never a spin) until the op is done. On
@@ -402,28 +417,22 @@ class HiCacheMP(HiCacheStorage):
         if not keys:
             return []
         self._need_engine()
-        stg = self._staging_path()
+        pool = self._staging_path().engine.host_pool
         g, layout = self.geometry, self.mem_pool_host.layout
         out = [None] * len(keys)
         t0 = time.perf_counter()
-        done = 0
-        while done < len(keys):
-            slots = stg.take(len(keys) - done)
-            try:
-                n = len(slots)
-                op = stg.engine.prefetch(keys[done:done + n], slots, policy="wait_complete")
-                self._wait_on(stg.engine, op)
-                for j in np.flatnonzero(op.page_status == st.OK).tolist():
-                    i = done + j
-                    if target_locations is not None and target_locations[i] is not None:
-                        target = target_locations[i]
-                    else:
-                        target = torch.empty(g.page_bytes // g.itemsize, dtype=getattr(torch, g.dtype))
-                    self._copy(flat_page_view(target, layout, g), stg.engine.host_pool.page_view(slots[j]))
-                    out[i] = target
-            finally:
-                stg.give(slots)
-            done += n
+
+        def take_out(start, slots, op):
+            for j in np.flatnonzero(op.page_status == st.OK).tolist():
+                i = start + j
+                if target_locations is not None and target_locations[i] is not None:
+                    target = target_locations[i]
+                else:
+                    target = torch.empty(g.page_bytes // g.itemsize, dtype=getattr(torch, g.dtype))
+                self._copy(flat_page_view(target, layout, g), pool.page_view(slots[j]))
+                out[i] = target
+
+        self._through_staging(keys, write=False, take_out=take_out)
         self._record("prefetch", sum(t is not None for t in out), t0)
         return out
 
@@ -437,29 +446,19 @@ class HiCacheMP(HiCacheStorage):
         if values is None or len(values) != len(keys):
             raise ValueError("hicache_mp: batch_set needs one flat page tensor per key")
         self._need_engine()
-        stg = self._staging_path()
+        pool = self._staging_path().engine.host_pool
         g, layout = self.geometry, self.mem_pool_host.layout
-        ok_all = True
         t0 = time.perf_counter()
-        done = 0
-        while done < len(keys):
-            slots = stg.take(len(keys) - done)
-            try:
-                n = len(slots)
-                for j in range(n):
-                    flat = values[done + j].contiguous().view(-1)
-                    if flat.numel() * flat.element_size() != g.page_bytes:
-                        raise ValueError(f"hicache_mp: a page holds {g.page_bytes} bytes, got "
-                                         f"{flat.numel() * flat.element_size()}")
-                    self._copy(stg.engine.host_pool.page_view(slots[j]), flat_page_view(flat, layout, g))
-                op = stg.engine.backup(keys[done:done + n], slots)
-                self._wait_on(stg.engine, op)
-                ok = op.page_status == st.OK
-                ok_all = ok_all and bool(ok.all())
-            finally:
-                stg.give(slots)
-            self._index_written(keys[done:done + n], ok, stg.engine)
-            done += n
+
+        def fill(start, slots):
+            for j, slot in enumerate(slots):
+                flat = values[start + j].contiguous().view(-1)
+                if flat.numel() * flat.element_size() != g.page_bytes:
+                    raise ValueError(f"hicache_mp: a page holds {g.page_bytes} bytes, got "
+                                     f"{flat.numel() * flat.element_size()}")
+                self._copy(pool.page_view(slot), flat_page_view(flat, layout, g))
+
+        ok_all = bool(self._through_staging(keys, write=True, fill=fill).all())
         self._record("backup", len(keys) if ok_all else 0, t0)
         return ok_all
 
