@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, asdict
 
 from workers.control import MAX_WORKERS
 
+MAX_IO_DEPTH = 32  # lanes per worker; past this a thread per I/O costs more than it hides
+
 POLICIES = ("best_effort", "wait_complete", "timeout")
 FSYNC_MODES = ("none", "data", "always")
 DIRECT_IO_MODES = ("auto", "on", "off")
@@ -43,6 +45,7 @@ class EngineConfig:
     direct_io: str = "auto"              # auto | on | off: O_DIRECT page I/O (workers.directio)
     backup_budget_pages: int = 0         # host pages backups may hold at once; 0: the whole pool
     reads_per_write: int = 8             # a worker serves reads first; after this many in a row, one write
+    io_depth: int = 1                    # page I/Os in flight per worker (workers.lanes)
     storage_max_bytes: int = 0           # >0: evict LRU pages to keep the store under this
     storage_min_free_bytes: int = 0      # >0: evict LRU pages to keep this much free on its filesystem
     eviction_interval_s: float = 10.0    # evictor pass at least this often (also when a limit nears)
@@ -68,6 +71,8 @@ class EngineConfig:
             if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an int >= 0 (0 = {'auto' if name.startswith('backup') else 'off'}), "
                                  f"got {getattr(self, name)!r}")
+        if not _is_int(self.io_depth) or not 1 <= self.io_depth <= MAX_IO_DEPTH:
+            raise ValueError(f"io_depth must be an int in [1, {MAX_IO_DEPTH}], got {self.io_depth!r}")
         if not _is_int(self.reads_per_write) or self.reads_per_write < 1:
             raise ValueError(f"reads_per_write must be a positive int, got {self.reads_per_write!r}")
         if not self.eviction_interval_s > 0:
@@ -140,10 +145,19 @@ DIRECT_IO_HELP = ("O_DIRECT page reads and writes: the device moves bytes straig
                   "'off': buffered I/O always")
 
 
+IO_DEPTH_HELP = ("page I/Os each worker keeps in flight (threads inside the worker process; "
+                 "preadv/pwritev release the GIL). 1: one at a time. More helps a device that "
+                 "needs a deep queue (NVMe, network filesystems) with few workers; reads stay "
+                 "first and at most one write per worker runs beside them. Total depth is "
+                 "workers x this")
+
+
 def add_engine_flags(parser) -> None:
     """The storage flags (--hicache-mp-direct-io, --hicache-mp-fsync, capacity) on `parser`."""
     parser.add_argument("--hicache-mp-direct-io", choices=DIRECT_IO_MODES, default="auto",
                         help=DIRECT_IO_HELP)
+    parser.add_argument("--hicache-mp-io-depth", type=int, default=1, metavar="N",
+                        help=IO_DEPTH_HELP)
     parser.add_argument("--hicache-mp-fsync", choices=FSYNC_MODES, default="none", help=FSYNC_HELP)
     parser.add_argument("--hicache-mp-backup-budget-pages", type=int, default=0, metavar="N",
                         help="host pages that backups may hold at once (0 = the whole host pool; a serving engine should keep room for prefetches, e.g. half the pool); "
@@ -161,6 +175,7 @@ def add_engine_flags(parser) -> None:
 def engine_options(args) -> dict:
     """EngineConfig keyword arguments from flags added by `add_engine_flags`."""
     return {"direct_io": args.hicache_mp_direct_io, "fsync": args.hicache_mp_fsync,
+            "io_depth": args.hicache_mp_io_depth,
             "backup_budget_pages": args.hicache_mp_backup_budget_pages,
             "storage_max_bytes": args.storage_max_bytes,
             "storage_min_free_bytes": args.storage_min_free_bytes}

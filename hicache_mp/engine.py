@@ -133,7 +133,8 @@ class PrefetchEngine(EngineCore):
                 "write_checksum": config.write_checksum, "fsync": config.fsync,
                 "quarantine_bad_files": config.quarantine_bad_files,
                 "batch": config.worker_batch, "direct_io": self.direct_io,
-                "reads_per_write": config.reads_per_write, "num_workers": workers, **capacity,
+                "reads_per_write": config.reads_per_write, "io_depth": config.io_depth,
+                "num_workers": workers, **capacity,
             }
             if own_fd is not None:
                 worker_config["pool_fd"] = own_fd.fd

@@ -9,11 +9,13 @@ Everything runs on one directory (so one device):
                      file), and T plain threads pwritev-ing page-sized files
                      (O_DIRECT when the engine uses it; the GIL is released in
                      the syscall)
-  mp write           PrefetchEngine.backup() of the data set, W workers
+  mp write           PrefetchEngine.backup() of the data set, W workers x D
+                     I/Os in flight each (--io-depth, workers.lanes)
   raw read ceiling   max of: P parallel `dd iflag=direct` streams, and T plain
                      threads preadv-ing the engine's own page files
-  mp cold read       PrefetchEngine.prefetch() of the data set, W workers
-  mixed              with the most workers: a stream of prefetches alone, then
+  mp cold read       PrefetchEngine.prefetch() of the data set, W workers x D
+  mixed              with the most workers and the depth that read best there:
+                     a stream of prefetches alone, then
                      the same stream with a backup stream beside it; reads must
                      keep >= 0.8 of their read-only GB/s (issue 7)
 
@@ -145,10 +147,12 @@ def raw_dd(directory: str, block: int, blocks: int, streams: int, write: bool) -
 
 
 # --- the engine --------------------------------------------------------------------
-def make_engine(args, store: str, geometry: PageGeometry, workers: int) -> PrefetchEngine:
+def make_engine(args, store: str, geometry: PageGeometry, workers: int,
+                depth: int = 1) -> PrefetchEngine:
     return PrefetchEngine(EngineConfig(
         storage_dir=store, num_workers=workers, host_pool_pages=args.pool_pages,
-        direct_io=args.direct_io, fsync=args.fsync, model_name="bench_storage"), geometry)
+        direct_io=args.direct_io, fsync=args.fsync, io_depth=depth,
+        model_name="bench_storage"), geometry)
 
 
 def run_ops(eng, kind: str, keys: list, slots: list, depth: int = 2) -> tuple[float, dict]:
@@ -189,10 +193,10 @@ def fill_pool(eng) -> None:
     mv.release()
 
 
-def mixed(args, store, geometry, workers, read_keys, write_prefix, cache_method) -> dict:
+def mixed(args, store, geometry, workers, depth, read_keys, write_prefix, cache_method) -> dict:
     """Read-only stream, then the same reads with a backup stream beside them."""
-    out = {}
-    with make_engine(args, store, geometry, workers) as eng:
+    out = {"workers": workers, "io_depth": depth}
+    with make_engine(args, store, geometry, workers, depth) as eng:
         fill_pool(eng)
         half = args.pool_pages // 2
         read_slots, write_slots = list(range(half)), list(range(half, 2 * half))
@@ -257,8 +261,12 @@ def parse_args(argv=None):
                    help="host pool layout")
     p.add_argument("--pool-pages", type=int, default=None,
                    help="host pool slots (default: 256, or what 2 GiB holds; --quick 32)")
-    p.add_argument("--raw-threads", type=int, default=None,
-                   help="threads of the raw preadv/pwritev ceiling (default: the largest --workers)")
+    p.add_argument("--io-depth", type=int, nargs="+", default=None,
+                   help="the engine's --hicache-mp-io-depth values to sweep at every worker "
+                        "count, I/Os in flight per worker (default: 1 2 4; --quick: 1 2)")
+    p.add_argument("--raw-threads", type=int, nargs="+", default=None,
+                   help="thread counts of the raw preadv/pwritev ceiling; the best counts "
+                        "(default: the largest --workers, and that times the largest --io-depth)")
     p.add_argument("--dd-streams", type=int, default=None,
                    help="parallel dd processes of the dd ceiling (default: the largest --workers)")
     p.add_argument("--no-dd", action="store_true", help="skip the dd ceilings")
@@ -279,6 +287,10 @@ def parse_args(argv=None):
         args.total_gib = args.total_gib or 1 / 16
         args.workers = args.workers or [1, 2]
         args.pool_pages = args.pool_pages or 32
+        args.io_depth = args.io_depth or [1, 2]
+    args.io_depth = args.io_depth or [1, 2, 4]
+    if min(args.io_depth) < 1:
+        p.error("--io-depth values must be >= 1")
     args.total_gib = args.total_gib or 12.0
     if args.workers is None:
         import psutil
@@ -292,7 +304,7 @@ def sweep_mode(args, mode, geometry, base, npages, raw_write_dd, raw_read_dd, me
     page = geometry.page_bytes
     file_bytes = pagefile.HEADER_SIZE + page
     top = max(args.workers)
-    threads = args.raw_threads or top
+    threads = args.raw_threads or sorted({top, min(64, top * max(args.io_depth))})
     store, raw = os.path.join(base, f"store-{mode}"), os.path.join(base, f"raw-{mode}")
     os.makedirs(raw)
     args.direct_io = mode
@@ -308,32 +320,41 @@ def sweep_mode(args, mode, geometry, base, npages, raw_write_dd, raw_read_dd, me
     log(f"{tag} engine I/O: {why}")
     try:
         paths = [os.path.join(raw, f"p{i}") for i in range(npages)]
-        tw = raw_threads(paths, file_bytes, threads, True, direct)
-        log(f"{tag} raw write: {threads} threads pwritev{' O_DIRECT' if direct else ''}: {tw:.2f} GB/s")
-        out["raw_write"] = {"threads": tw, "dd": raw_write_dd}
+        out["raw_write"] = {"dd": raw_write_dd}
+        for t in threads:
+            tw = raw_threads(paths, file_bytes, t, True, direct)
+            log(f"{tag} raw write: {t} threads pwritev{' O_DIRECT' if direct else ''}: {tw:.2f} GB/s")
+            out["raw_write"][f"threads_{t}"] = tw
+            drop_cache(paths)
         shutil.rmtree(raw, ignore_errors=True)
         sweep = []
         read_keys = [f"page-{i}" for i in range(npages)]
         for w in args.workers:
-            shutil.rmtree(store, ignore_errors=True)
-            with make_engine(args, store, geometry, w) as eng:
-                fill_pool(eng)
-                slots = list(range(args.pool_pages))
-                wg, wc = run_ops(eng, "backup", read_keys, slots)
-                drop_cache(page_files(store))
-                rg, rc = run_ops(eng, "prefetch", read_keys, slots)
-            sweep.append({"workers": w, "write_gbps": wg, "write_statuses": wc,
-                          "read_gbps": rg, "read_statuses": rc})
-            log(f"{tag} mp {w:3d} workers: write {wg:6.2f} GB/s {wc}   cold read {rg:6.2f} GB/s {rc}")
+            for d in args.io_depth:
+                shutil.rmtree(store, ignore_errors=True)
+                with make_engine(args, store, geometry, w, d) as eng:
+                    fill_pool(eng)
+                    slots = list(range(args.pool_pages))
+                    wg, wc = run_ops(eng, "backup", read_keys, slots)
+                    drop_cache(page_files(store))
+                    rg, rc = run_ops(eng, "prefetch", read_keys, slots)
+                sweep.append({"workers": w, "io_depth": d, "write_gbps": wg, "write_statuses": wc,
+                              "read_gbps": rg, "read_statuses": rc})
+                log(f"{tag} mp {w:3d} workers x depth {d}: write {wg:6.2f} GB/s {wc}   "
+                    f"cold read {rg:6.2f} GB/s {rc}")
         out["sweep"] = sweep
         files = page_files(store)
-        drop_cache(files)
-        tr = raw_threads(files, file_bytes, threads, False, direct)
-        log(f"{tag} raw read: {threads} threads preadv{' O_DIRECT' if direct else ''} of the "
-            f"engine's files: {tr:.2f} GB/s")
-        out["raw_read"] = {"threads": tr, "dd": raw_read_dd}
+        out["raw_read"] = {"dd": raw_read_dd}
+        for t in threads:
+            drop_cache(files)
+            tr = raw_threads(files, file_bytes, t, False, direct)
+            log(f"{tag} raw read: {t} threads preadv{' O_DIRECT' if direct else ''} of the "
+                f"engine's files: {tr:.2f} GB/s")
+            out["raw_read"][f"threads_{t}"] = tr
         if not args.no_mixed:
-            out["mixed"] = mixed(args, store, geometry, top, read_keys, "mixed", method)
+            at_top = [r for r in sweep if r["workers"] == top]
+            depth = max(at_top, key=lambda r: r["read_gbps"])["io_depth"]
+            out["mixed"] = mixed(args, store, geometry, top, depth, read_keys, "mixed", method)
     finally:
         shutil.rmtree(store, ignore_errors=True)
         shutil.rmtree(raw, ignore_errors=True)
@@ -343,20 +364,25 @@ def sweep_mode(args, mode, geometry, base, npages, raw_write_dd, raw_read_dd, me
     best_w = max(sweep, key=lambda r: r["write_gbps"])
     out["ratios"] = r = {
         "read_over_raw": best_r["read_gbps"] / raw_read, "read_best_workers": best_r["workers"],
+        "read_best_io_depth": best_r["io_depth"],
         "write_over_raw": best_w["write_gbps"] / raw_write, "write_best_workers": best_w["workers"],
+        "write_best_io_depth": best_w["io_depth"],
         "mixed_read_over_read_only": out.get("mixed", {}).get("ratio"),
         "raw_read_gbps": raw_read, "raw_write_gbps": raw_write}
     log("")
-    log(f"{tag} {'workers':>8} {'write GB/s':>11} {'write/raw':>10} {'read GB/s':>10} {'read/raw':>9}")
+    log(f"{tag} {'workers':>8} {'depth':>6} {'write GB/s':>11} {'write/raw':>10} {'read GB/s':>10} "
+        f"{'read/raw':>9}")
     for row in sweep:
-        log(f"{tag} {row['workers']:>8} {row['write_gbps']:>11.2f} "
+        log(f"{tag} {row['workers']:>8} {row['io_depth']:>6} {row['write_gbps']:>11.2f} "
             f"{row['write_gbps'] / raw_write:>10.2f} {row['read_gbps']:>10.2f} "
             f"{row['read_gbps'] / raw_read:>9.2f}")
     log(f"{tag} raw ceilings (best of dd and threads): read {raw_read:.2f} GB/s, "
         f"write {raw_write:.2f} GB/s")
-    log(f"{tag} cold read / raw read (best, {r['read_best_workers']} workers): "
+    log(f"{tag} cold read / raw read (best, {r['read_best_workers']} workers x depth "
+        f"{r['read_best_io_depth']}): "
         f"{r['read_over_raw']:.2f}  (target >= 0.90)")
-    log(f"{tag} write / raw write (best, {r['write_best_workers']} workers): "
+    log(f"{tag} write / raw write (best, {r['write_best_workers']} workers x depth "
+        f"{r['write_best_io_depth']}): "
         f"{r['write_over_raw']:.2f}  (target >= 0.90)")
     if r["mixed_read_over_read_only"] is not None:
         log(f"{tag} mixed: read GB/s with writes / read-only: "

@@ -30,6 +30,11 @@ Loop, with one exit path:
      orphan unlinks the names it knows, so a crashed scheduler leaves nothing
      in /dev/shm even if no engine ever starts again.
 
+With `io_depth` > 1 (`--hicache-mp-io-depth`) the same choices are made by a
+dispatcher, one record at a time, and `io_depth` threads of this process do
+the I/O (preadv/pwritev release the GIL), so one worker keeps that many
+page I/Os in flight; see workers.lanes for when that pays.
+
 Capacity (when the engine sets storage limits): before a write the worker
 reserves the file's bytes in its WRITTEN counter and checks the store
 estimate (workers.control) and, with a free-space floor, statvfs; a write
@@ -40,9 +45,11 @@ times (futimens), at most once per `TOUCH_INTERVAL_S` per page: that is the
 scheduler makes no syscall for it.
 """
 import errno
+import itertools
 import json
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -50,13 +57,14 @@ import numpy as np
 from shm import PageGeometry, Ring, WakeSemaphore
 from shm.hostpool import HostPool
 from shm.names import unlink_names
-from shm.ring import KIND_READ, RECORD_DTYPE
+from shm.ring import KIND_READ
 from workers import directio, naming, pagefile, status
+from workers.fileio import preadv_full, pwritev_full
+from workers.lanes import PARENT_CHECK_S, Lane, run_lanes
 from workers.storedir import DIR_MODE, ensure_parent
 from workers.control import BUSY_NS, BYTES, INFLIGHT, MAX_BYTES, MIN_FREE, PAGES, READY_PID, \
     WAITERS, WRITTEN, Control
 
-PARENT_CHECK_S = 0.25
 # A page's access stamp is refreshed at most this often per worker: LRU needs
 # order at a coarse grain, not a metadata write per read.
 TOUCH_INTERVAL_S = 1.0
@@ -112,16 +120,8 @@ class Worker:
         self.control = Control(cfg["control"], create=False)
         self.stats = self.control.workers[self.index]
         self.direct = bool(cfg.get("direct_io", False))
-        # Header, overflow guard and the write header live in one page-aligned
-        # scratch mapping: O_DIRECT needs aligned buffers, and buffered I/O does
-        # not mind. The overflow guard catches a file longer than a page without
-        # an fstat: buffered, one spare byte; O_DIRECT, one spare aligned block
-        # (an iovec must be a whole block), which costs nothing at a true EOF.
-        self.scratch = directio.Scratch(3 * directio.ALIGN)
-        self.header = self.scratch[0:pagefile.HEADER_SIZE]
-        spare = directio.ALIGN if self.direct else 1
-        self.overflow = self.scratch[directio.ALIGN:directio.ALIGN + spare]
-        self.write_header = self.scratch[2 * directio.ALIGN:3 * directio.ALIGN]
+        self.depth = max(1, int(cfg.get("io_depth", 1)))
+        self.lane = Lane(self.direct)  # the loop's own; run_lanes makes one per thread
         self.open_flags = directio.O_DIRECT if self.direct else 0
         self.file_bytes = pagefile.HEADER_SIZE + self.payload_len
         self.capped = bool(cfg.get("capacity"))
@@ -131,22 +131,32 @@ class Worker:
         self.touched: dict[bytes, float] = {}
         self.read_streak = 0  # reads done in a row while writes waited
         self.made_dirs: set[str] = set()
-        self.serial = 0
+        self.serials = itertools.count(1)  # temp and quarantine names; thread-safe under the GIL
         self.pid = os.getpid()
-        self.out = np.zeros(1, dtype=RECORD_DTYPE)
+        # One producer at a time on the completion ring (SPSC), and the stats
+        # words are read-modify-write: lane threads take this for both.
+        self.push_lock = threading.Lock()
 
     # --- the loop -----------------------------------------------------------
     def run(self) -> int:
         self.stats[READY_PID] = self.pid
-        orphaned = False
+        orphaned = run_lanes(self) if self.depth > 1 else self._run_inline()
+        if orphaned:
+            self._unlink_all()
+        return 0
+
+    def parent_gone(self) -> bool:
+        return os.getppid() != self.parent_pid
+
+    def _run_inline(self) -> bool:
+        """The loop of the module docstring, one I/O at a time; True if orphaned."""
         while not self.control.stopping():
-            if os.getppid() != self.parent_pid:
-                orphaned = True
-                break
+            if self.parent_gone():
+                return True
             records = self.read_ring.pop(self.batch)
             if len(records):
                 for rec in records:
-                    self._one(rec)
+                    self.serve(rec, self.lane)
                     self.read_streak += 1
                     if self.read_streak >= self.reads_per_write and self.write_ring.pending():
                         self._one_write()  # reads first, but writes are never starved
@@ -156,17 +166,15 @@ class Worker:
                 continue
             self.read_streak = 0
             self.wake.wait(PARENT_CHECK_S)
-        if orphaned:
-            self._unlink_all()
-        return 0
+        return False
 
     def _one_write(self) -> None:
         self.read_streak = 0
         recs = self.write_ring.pop(1)
         if len(recs):
-            self._one(recs[0])
+            self.serve(recs[0], self.lane)
 
-    def _one(self, rec) -> None:
+    def serve(self, rec, lane: Lane) -> None:
         t0 = time.perf_counter_ns()
         if self.control.cancelled(int(rec["op_id"])):
             code, err, nbytes = status.CANCELLED, 0, 0
@@ -175,29 +183,31 @@ class Worker:
             path = naming.page_path(self.root, digest)
             iovecs = self.pool.page_iovecs(int(rec["host_page"]))
             if rec["kind"] == KIND_READ:
-                code, err = self._read(path, digest, iovecs)
+                code, err = self._read(path, digest, iovecs, lane)
             else:
-                code, err = self._write(path, digest, iovecs)
+                code, err = self._write(path, digest, iovecs, lane)
             nbytes = self.payload_len if code == status.OK else 0
         io_ns = time.perf_counter_ns() - t0
-        out = self.out
+        out = lane.out
         out[0] = rec
         out["status"][0] = code
         out["flags"][0] = err
         out["io_ns"][0] = io_ns
-        while self.completion.push(out) == 0:
-            # The scheduler has not drained completions yet; it will. Never drop one.
-            if os.getppid() != self.parent_pid or self.control.stopping():
-                return
-            time.sleep(0.0005)
-        self.stats[BUSY_NS] += io_ns
-        self.stats[PAGES] += 1
-        self.stats[BYTES] += nbytes
+        with self.push_lock:
+            while self.completion.push(out) == 0:
+                # The scheduler has not drained completions yet; it will. Never drop one.
+                if self.parent_gone() or self.control.stopping():
+                    return
+                time.sleep(0.0005)
+            # With lanes BUSY_NS sums every lane's I/O time: busy fraction can pass 1.
+            self.stats[BUSY_NS] += io_ns
+            self.stats[PAGES] += 1
+            self.stats[BYTES] += nbytes
         if self.control.words[WAITERS]:
             self.done.post()
 
     # --- reads --------------------------------------------------------------
-    def _read(self, path: str, digest: bytes, iovecs) -> tuple[int, int]:
+    def _read(self, path: str, digest: bytes, iovecs, lane: Lane) -> tuple[int, int]:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | self.open_flags)
         except FileNotFoundError:
@@ -207,11 +217,11 @@ class Worker:
         try:
             want = self.file_bytes
             try:
-                got = _preadv_full(fd, [self.header, *iovecs, self.overflow],
-                                   want + len(self.overflow), self.direct)
+                got = preadv_full(fd, [lane.header, *iovecs, lane.overflow],
+                                  want + len(lane.overflow), self.direct)
             except OSError as exc:
                 return status.UNREADABLE, exc.errno or 0
-            code = self._check(got, want, digest, iovecs)
+            code = self._check(got, want, digest, iovecs, lane.header)
             if code in _MOVE_ASIDE and self.quarantine:
                 self._move_aside(path, fd, code)  # while fd still names the file we judged
             elif code == status.OK:
@@ -220,10 +230,10 @@ class Worker:
         finally:
             os.close(fd)
 
-    def _check(self, got: int, want: int, digest: bytes, iovecs) -> int:
+    def _check(self, got: int, want: int, digest: bytes, iovecs, header) -> int:
         if got < pagefile.HEADER_SIZE:
             return status.CORRUPT
-        code, crc = pagefile.check_header(self.header, self.payload_len, self.fp, digest)
+        code, crc = pagefile.check_header(header, self.payload_len, self.fp, digest)
         if code != status.OK:
             return code
         if got != want:  # truncated or longer than a page: never trust it
@@ -261,22 +271,20 @@ class Worker:
             if qdir not in self.made_dirs:
                 os.makedirs(qdir, mode=DIR_MODE, exist_ok=True)
                 self.made_dirs.add(qdir)
-            self.serial += 1
             os.rename(path, naming.quarantine_path(self.root, path, status.NAMES[code],
-                                                   self.pid, self.serial))
+                                                   self.pid, next(self.serials)))
         except OSError:
             pass  # the read is a miss either way
 
     # --- writes -------------------------------------------------------------
-    def _write(self, path: str, digest: bytes, iovecs) -> tuple[int, int]:
+    def _write(self, path: str, digest: bytes, iovecs, lane: Lane) -> tuple[int, int]:
         if self.capped:
             refused = self._reserve()
             if refused:
                 return refused
         crc = pagefile.payload_crc(iovecs) if self.write_crc else None
-        self.write_header[:] = pagefile.build_header(self.payload_len, self.fp, digest, crc)
-        self.serial += 1
-        tmp = naming.tmp_path(path, self.pid, self.serial)
+        lane.write_header[:] = pagefile.build_header(self.payload_len, self.fp, digest, crc)
+        tmp = naming.tmp_path(path, self.pid, next(self.serials))
         fd = -1
         try:
             directory = os.path.dirname(path)
@@ -288,7 +296,7 @@ class Worker:
             # ftruncate fix-up is needed after the aligned write.
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | self.open_flags,
                          0o600)
-            _pwritev_full(fd, [self.write_header, *iovecs], self.direct)
+            pwritev_full(fd, [lane.write_header, *iovecs], self.direct)
             if self.fsync == "data":
                 os.fdatasync(fd)
             elif self.fsync == "always":
@@ -345,55 +353,6 @@ class Worker:
 
     def _unlink_all(self) -> None:
         unlink_names(self.cfg.get("orphan_unlink_shm", []), self.cfg.get("orphan_unlink_sem", []))
-
-
-def _preadv_full(fd: int, iovecs: list, total: int, direct: bool = False) -> int:
-    """preadv until `total` bytes or EOF (network filesystems may return short).
-
-    With O_DIRECT a continuation must start on a block boundary; after an
-    unaligned short read (a file whose length is not a block multiple: EOF,
-    in practice) O_DIRECT is cleared on the descriptor and the rest is read
-    buffered, rather than failing with EINVAL.
-    """
-    got = os.preadv(fd, iovecs, 0)
-    while 0 < got < total:
-        if direct and not directio.aligned(got):
-            _clear_direct(fd)
-            direct = False
-        rest = _skip(iovecs, got)
-        n = os.preadv(fd, rest, got)
-        if n == 0:
-            break
-        got += n
-    return got
-
-
-def _pwritev_full(fd: int, iovecs: list, direct: bool = False) -> None:
-    total = sum(len(v) for v in iovecs)
-    done = os.pwritev(fd, iovecs, 0)
-    while done < total:
-        if direct and not directio.aligned(done):
-            _clear_direct(fd)  # as in _preadv_full: finish an odd short write buffered
-            direct = False
-        done += os.pwritev(fd, _skip(iovecs, done), done)
-
-
-def _clear_direct(fd: int) -> None:
-    import fcntl
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~directio.O_DIRECT)
-
-
-def _skip(iovecs: list, nbytes: int) -> list:
-    """The iovecs left after the first `nbytes` bytes."""
-    out = []
-    for v in iovecs:
-        mv = memoryview(v)
-        if nbytes >= len(mv):
-            nbytes -= len(mv)
-            continue
-        out.append(mv[nbytes:])
-        nbytes = 0
-    return out
 
 
 def main(argv: list[str]) -> int:

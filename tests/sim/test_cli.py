@@ -12,7 +12,8 @@ FLAGS = ("--quick", "--hicache-storage-backend", "--hicache-mp-workers",
          "--hicache-mem-layout", "--storage-dir", "--scheduler-yield-ms", "--num-requests",
          "--seed", "--host-pool-pages", "--json", "--plot", "--no-verify", "--device-load",
          # storage flags (hicache_mp.config.add_engine_flags)
-         "--hicache-mp-direct-io", "--hicache-mp-fsync", "--hicache-mp-backup-budget-pages",
+         "--hicache-mp-direct-io", "--hicache-mp-io-depth", "--hicache-mp-fsync",
+         "--hicache-mp-backup-budget-pages",
          "--storage-max-bytes", "--storage-min-free-bytes")
 
 

@@ -18,7 +18,8 @@ def test_bench_storage_quick(tmp_path):
     assert "cache_drop" in report and set(report["modes"]) == {"on", "off"} or \
         set(report["modes"]) == {"off"}  # "on" is skipped where the disk refuses O_DIRECT
     for mode in report["modes"].values():
-        assert [r["workers"] for r in mode["sweep"]] == [1, 2]
+        assert [(r["workers"], r["io_depth"]) for r in mode["sweep"]] == \
+            [(1, 1), (1, 2), (2, 1), (2, 2)]
         for row in mode["sweep"]:
             assert row["read_statuses"] == {"ok": report["pages"]}, row
             assert row["write_statuses"] == {"ok": report["pages"]}, row
@@ -36,5 +37,5 @@ def test_bench_storage_help_names_every_flag():
                            "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0
     for flag in ("--dir", "--workers", "--total-gib", "--direct-io", "--fsync", "--quick",
-                 "--json", "--no-mixed", "--no-dd", "--raw-threads", "--dd-streams"):
+                 "--json", "--no-mixed", "--no-dd", "--raw-threads", "--dd-streams", "--io-depth"):
         assert flag in proc.stdout

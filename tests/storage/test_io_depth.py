@@ -1,0 +1,106 @@
+"""Depth per worker (`io_depth`, workers.lanes): several I/Os in flight in one worker.
+
+What a user notices: the bytes are the same as with one I/O at a time (both
+layouts, reads and writes mixed, O_DIRECT where the filesystem allows it); a
+page whose file stalls (a FIFO stands in for a hung network-filesystem read)
+no longer holds up the worker's other pages; reads still go first; a bad
+setting is refused before any worker starts; nothing is left behind.
+"""
+import os
+import threading
+
+import pytest
+
+from faultkit import MID, backup, content, fingerprint, make, page_file, prefetch, put, \
+    wrong_pages
+from hicache_mp import EngineConfig
+from storagekit import cont, stop_workers
+
+
+def _allowed(e):
+    return lambda k: {fingerprint(content(k, e.geometry.page_bytes))}
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_pages_round_trip_byte_exact_with_reads_and_writes_mixed(store, layout):
+    with make(store, layout=layout, geo=MID, pages=96, workers=2, io_depth=4) as e:
+        old = [f"old-{i}" for i in range(32)]
+        assert backup(e, old, range(32)).status == "ok"
+        new = [f"new-{i}" for i in range(32)]
+        for k, s in zip(new, range(32, 64)):
+            put(e, s, content(k, e.geometry.page_bytes))
+        wop = e.backup(new, range(32, 64))
+        rop = e.prefetch(old, range(64, 96))  # reads run beside the writes
+        assert e.wait(wop, 30) and e.wait(rop, 30)
+        assert wop.status == "ok" and rop.status == "ok", (wop.status_counts(), rop.status_counts())
+        assert not wrong_pages(e, rop, _allowed(e))
+        back = prefetch(e, new, range(64, 96))
+        assert back.status == "ok" and not wrong_pages(e, back, _allowed(e))
+
+
+def _stall(e, key) -> str:
+    """Replace `key`'s page file with a FIFO: a read of it blocks in open()."""
+    path = page_file(e, key)
+    os.unlink(path)
+    os.mkfifo(path, 0o600)
+    return path
+
+
+def _release(path) -> None:
+    """Let the stalled open() return: a writer that writes 7 bytes and leaves."""
+    fd = os.open(path, os.O_WRONLY)  # the worker is the reader, so this does not block
+    os.write(fd, b"garbage")
+    os.close(fd)
+
+
+@pytest.mark.parametrize("depth, others_finish", [(3, True), (1, False)])
+def test_a_stalled_page_holds_up_the_other_pages_only_without_depth(store, depth, others_finish):
+    with make(store, geo=MID, pages=32, workers=1, io_depth=depth) as e:
+        keys = [f"k-{i}" for i in range(9)]
+        assert backup(e, keys, range(9)).status == "ok"
+        path = _stall(e, keys[0])
+        released = False
+        try:
+            slow = e.prefetch(keys[:1], [10])
+            rest = e.prefetch(keys[1:], range(11, 19))
+            finished = e.wait(rest, 5.0)
+            assert finished == others_finish, rest.status_counts()
+            assert not slow.done
+            if finished:
+                assert rest.status == "ok" and not wrong_pages(e, rest, _allowed(e))
+            _release(path)
+            released = True
+            assert e.wait(slow, 10) and e.wait(rest, 10)
+            assert slow.status_counts() == {"unreadable": 1}  # a FIFO is no page (preadv: EINVAL)
+            assert rest.status == "ok" and not wrong_pages(e, rest, _allowed(e))
+        finally:
+            if not released:  # never leave a lane blocked: close() would wait for it
+                threading.Thread(target=_release, args=(path,), daemon=True).start()
+
+
+def test_reads_still_go_before_queued_writes(store):
+    """With 2 lanes and writes queued first, the first pages done are reads."""
+    with make(store, geo=MID, pages=64, workers=1, io_depth=2) as e:
+        old = [f"old-{i}" for i in range(6)]
+        assert backup(e, old, range(6)).status == "ok"
+        new = [f"new-{i}" for i in range(12)]
+        for k, s in zip(new, range(6, 18)):
+            put(e, s, content(k, e.geometry.page_bytes))
+        pids = stop_workers(e)
+        try:
+            wop = e.backup(new, range(6, 18))   # queued first
+            rop = e.prefetch(old, range(32, 38))
+        finally:
+            cont(pids)
+        assert e.wait(wop, 30) and e.wait(rop, 30)
+        assert rop.status == "ok" and wop.status == "ok"
+        assert not wrong_pages(e, rop, _allowed(e))
+        # Every read was dispatched before any write; with two lanes the last
+        # read may land just after the first write, never later than that.
+        assert wop.landed_seq.min() > sorted(rop.landed_seq)[-2], (rop.landed_seq, wop.landed_seq)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 33, 2.5, "4"])
+def test_a_bad_depth_is_refused_before_any_worker(store, bad):
+    with pytest.raises(ValueError, match="io_depth"):
+        EngineConfig(storage_dir=store, io_depth=bad)

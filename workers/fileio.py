@@ -1,0 +1,59 @@
+"""Whole-file preadv/pwritev for page files, including O_DIRECT's short-transfer rule.
+
+Owns "move exactly these bytes, or say how many moved": continuing after a
+short read or write (network filesystems return them), and leaving O_DIRECT
+for the tail of a transfer that stopped off a block boundary. Must not open
+or name files, or judge their contents: `workers.worker` does that.
+"""
+import fcntl
+import os
+
+from workers import directio
+
+
+def preadv_full(fd: int, iovecs: list, total: int, direct: bool = False) -> int:
+    """preadv until `total` bytes or EOF (network filesystems may return short).
+
+    With O_DIRECT a continuation must start on a block boundary; after an
+    unaligned short read (a file whose length is not a block multiple: EOF,
+    in practice) O_DIRECT is cleared on the descriptor and the rest is read
+    buffered, rather than failing with EINVAL.
+    """
+    got = os.preadv(fd, iovecs, 0)
+    while 0 < got < total:
+        if direct and not directio.aligned(got):
+            clear_direct(fd)
+            direct = False
+        rest = skip(iovecs, got)
+        n = os.preadv(fd, rest, got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def pwritev_full(fd: int, iovecs: list, direct: bool = False) -> None:
+    total = sum(len(v) for v in iovecs)
+    done = os.pwritev(fd, iovecs, 0)
+    while done < total:
+        if direct and not directio.aligned(done):
+            clear_direct(fd)  # as in preadv_full: finish an odd short write buffered
+            direct = False
+        done += os.pwritev(fd, skip(iovecs, done), done)
+
+
+def clear_direct(fd: int) -> None:
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~directio.O_DIRECT)
+
+
+def skip(iovecs: list, nbytes: int) -> list:
+    """The iovecs left after the first `nbytes` bytes."""
+    out = []
+    for v in iovecs:
+        mv = memoryview(v)
+        if nbytes >= len(mv):
+            nbytes -= len(mv)
+            continue
+        out.append(mv[nbytes:])
+        nbytes = 0
+    return out

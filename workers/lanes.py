@@ -1,0 +1,131 @@
+"""Depth per worker: several page I/Os in flight in one worker process.
+
+Owns the lane threads of a worker and the dispatch that feeds them when
+`io_depth` > 1: per-lane aligned buffers (`Lane`) and `run_lanes`, which
+replaces the worker's inline loop. Must not do I/O or judge pages itself:
+each record goes through `Worker.serve`, as in the inline loop.
+
+Why threads inside the worker: preadv/pwritev release the GIL, so lanes of
+one process run in the kernel at once, and a queue-depth-limited device
+(NVMe, network filesystems: a lone synchronous 8 MiB read leaves it idle
+between requests) sees `workers x io_depth` requests instead of `workers`,
+without a process, a ring pair and a pool mapping per extra request.
+Measured on the H200 box (scripts/bench_storage.py --io-depth): see
+docs/decisions.md entry 18 for which default that gave and why.
+
+The rules the inline loop keeps still hold:
+  - reads first: the dispatcher picks one record at a time, by the same
+    rule (a write after `reads_per_write` reads in a row, or when no read
+    waits), and only when a lane is free, so a choice is never made early;
+  - at most one write in flight per worker: a read never waits behind more
+    than the writes already running, reads and writes run side by side, and
+    the capacity reservation (one INFLIGHT word per worker) stays exact.
+A lane that raises ends the whole worker process (as the inline loop
+would): the engine then fails that worker's pages cleanly, rather than one
+record silently never completing.
+"""
+import os
+import queue
+import sys
+import threading
+import traceback
+
+import numpy as np
+
+from shm.ring import KIND_READ, RECORD_DTYPE
+from workers import directio, pagefile
+
+PARENT_CHECK_S = 0.25
+
+
+class Lane:
+    """One I/O lane's buffers.
+
+    Header, overflow guard and write header live in one page-aligned scratch
+    mapping: O_DIRECT needs aligned buffers, buffered I/O does not mind. The
+    overflow guard catches a file longer than a page without an fstat:
+    buffered, one spare byte; O_DIRECT, one spare aligned block (an iovec
+    must be a whole block), which costs nothing at a true EOF.
+    """
+
+    def __init__(self, direct: bool):
+        self.scratch = directio.Scratch(3 * directio.ALIGN)
+        self.header = self.scratch[0:pagefile.HEADER_SIZE]
+        spare = directio.ALIGN if direct else 1
+        self.overflow = self.scratch[directio.ALIGN:directio.ALIGN + spare]
+        self.write_header = self.scratch[2 * directio.ALIGN:3 * directio.ALIGN]
+        self.out = np.zeros(1, dtype=RECORD_DTYPE)
+
+
+class _Dispatch:
+    def __init__(self, worker):
+        self.w = worker
+        self.writing = False  # one write in flight at most (module docstring)
+
+    def next_record(self):
+        """The next record by the inline loop's priority rule, or None."""
+        w = self.w
+        if not self.writing and w.write_ring.pending() and (
+                w.read_streak >= w.reads_per_write or not w.read_ring.pending()):
+            recs = w.write_ring.pop(1)
+            if len(recs):
+                w.read_streak = 0
+                self.writing = True
+                return recs[0]
+        recs = w.read_ring.pop(1)
+        if len(recs):
+            w.read_streak += 1
+            return recs[0]
+        return None
+
+
+def run_lanes(worker) -> bool:
+    """Serve the worker's rings with `worker.depth` lanes until stop; True if orphaned."""
+    w = worker
+    free = threading.Semaphore(w.depth)
+    work: queue.SimpleQueue = queue.SimpleQueue()
+    dispatch = _Dispatch(w)
+    threads = [threading.Thread(target=_lane_loop, args=(w, Lane(w.direct), work, free, dispatch),
+                                name=f"io-lane-{i}", daemon=True) for i in range(w.depth)]
+    for t in threads:
+        t.start()
+    orphaned = False
+    try:
+        while not w.control.stopping():
+            if w.parent_gone():
+                orphaned = True
+                break
+            if not free.acquire(timeout=PARENT_CHECK_S):
+                continue  # every lane busy: look at stop/parent again, then wait on
+            rec = dispatch.next_record()
+            if rec is None:
+                free.release()
+                w.read_streak = 0
+                # Woken by a submission, or by a lane whose write finished while
+                # another write waited.
+                w.wake.wait(PARENT_CHECK_S)
+                continue
+            work.put(rec)
+    finally:
+        for _ in threads:
+            work.put(None)
+        for t in threads:
+            t.join()
+    return orphaned
+
+
+def _lane_loop(w, lane: Lane, work, free, dispatch: _Dispatch) -> None:
+    while True:
+        rec = work.get()
+        if rec is None:
+            return
+        try:
+            w.serve(rec, lane)
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(70)  # see the module docstring: the engine fails this worker's pages
+        if rec["kind"] != KIND_READ:
+            dispatch.writing = False
+            w.wake.post()
+        free.release()
