@@ -133,7 +133,7 @@ class PrefetchEngine(EngineCore):
                 "write_checksum": config.write_checksum, "fsync": config.fsync,
                 "quarantine_bad_files": config.quarantine_bad_files,
                 "batch": config.worker_batch, "direct_io": self.direct_io,
-                "reads_per_write": config.reads_per_write, "io_depth": config.io_depth,
+                "reads_per_write": config.reads_per_write, "io_depth": config.resolved_io_depth(self.direct_io),
                 "num_workers": workers, **capacity,
             }
             if own_fd is not None:
@@ -300,6 +300,7 @@ class PrefetchEngine(EngineCore):
             "respawns": self.pool.respawns if self.pool else 0,
             "direct_io": self.direct_io,
             "direct_io_reason": self.direct_io_reason,
+            "io_depth": self.config.resolved_io_depth(self.direct_io),
             "backup_budget_pages": self._backup_budget,
             "backup_pages_held": self._write_pages,
             "evicted_pages": self.evictor.evicted_pages if self.evictor else 0,

@@ -148,7 +148,7 @@ def raw_dd(directory: str, block: int, blocks: int, streams: int, write: bool) -
 
 # --- the engine --------------------------------------------------------------------
 def make_engine(args, store: str, geometry: PageGeometry, workers: int,
-                depth: int = 1) -> PrefetchEngine:
+                depth: int = 0) -> PrefetchEngine:
     return PrefetchEngine(EngineConfig(
         storage_dir=store, num_workers=workers, host_pool_pages=args.pool_pages,
         direct_io=args.direct_io, fsync=args.fsync, io_depth=depth,

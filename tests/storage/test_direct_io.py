@@ -57,7 +57,7 @@ def test_probe_agrees_with_the_filesystem_and_auto_falls_back(fs, caplog, reques
         assert not truth  # ramfs never does O_DIRECT: the fallback is always exercised
     assert directio.probe(fs)[0] == truth
     # "auto" is buffered on both: ramfs refuses, and a 64 MiB tmpfs fits in RAM.
-    with make(fs, geo=ALIGNED, pages=16) as e:
+    with make(fs, geo=ALIGNED, pages=16, storage_max_bytes=32 << 20) as e:
         assert not e.direct_io and not e.metrics()["direct_io"]
         _round_trip(e, "fs")
     lines = [r for r in caplog.records if r.name == "hicache_mp" and "buffered I/O" in r.getMessage()]
@@ -78,6 +78,10 @@ def test_auto_uses_direct_only_for_a_store_that_can_outgrow_ram(store):
         pytest.skip("this disk refuses O_DIRECT")
     with make(store, geo=ALIGNED, pages=16, storage_max_bytes=ram // 2) as e:
         assert not e.direct_io and "fits in RAM" in e.direct_io_reason
+    # No limit: buffered, however large the disk (a disk larger than RAM is the
+    # norm, and the hot pages a server re-reads live in the page cache).
+    with make(store, geo=ALIGNED, pages=16) as e:
+        assert not e.direct_io and "--storage-max-bytes" in e.direct_io_reason
     with make(store, geo=ALIGNED, pages=16, storage_max_bytes=2 * ram) as e:
         assert e.direct_io
         _round_trip(e, "big")

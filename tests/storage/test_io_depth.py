@@ -24,6 +24,7 @@ def _allowed(e):
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_pages_round_trip_byte_exact_with_reads_and_writes_mixed(store, layout):
     with make(store, layout=layout, geo=MID, pages=96, workers=2, io_depth=4) as e:
+        assert e.metrics()["io_depth"] == 4
         old = [f"old-{i}" for i in range(32)]
         assert backup(e, old, range(32)).status == "ok"
         new = [f"new-{i}" for i in range(32)]
@@ -47,9 +48,8 @@ def _stall(e, key) -> str:
 
 
 def _release(path) -> None:
-    """Let the stalled open() return: a writer that writes 7 bytes and leaves."""
+    """Let the stalled open() return: a writer arrives and leaves at once."""
     fd = os.open(path, os.O_WRONLY)  # the worker is the reader, so this does not block
-    os.write(fd, b"garbage")
     os.close(fd)
 
 
@@ -100,7 +100,13 @@ def test_reads_still_go_before_queued_writes(store):
         assert wop.landed_seq.min() > sorted(rop.landed_seq)[-2], (rop.landed_seq, wop.landed_seq)
 
 
-@pytest.mark.parametrize("bad", [0, -1, 33, 2.5, "4"])
+@pytest.mark.parametrize("bad", [-1, 33, 2.5, "4"])
 def test_a_bad_depth_is_refused_before_any_worker(store, bad):
     with pytest.raises(ValueError, match="io_depth"):
         EngineConfig(storage_dir=store, io_depth=bad)
+
+
+def test_auto_depth_is_two_with_direct_io_and_one_buffered(store):
+    cfg = EngineConfig(storage_dir=store)
+    assert cfg.io_depth == 0 and cfg.resolved_io_depth(True) == 2 and cfg.resolved_io_depth(False) == 1
+    assert EngineConfig(storage_dir=store, io_depth=3).resolved_io_depth(True) == 3
