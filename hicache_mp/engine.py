@@ -46,7 +46,8 @@ from shm.hostpool import HostPool
 from shm.ring import KIND_READ, KIND_WRITE, RECORD_DTYPE
 from workers import directio, pagefile
 from workers import status as st
-from workers.control import BUSY_NS, BYTES, MAX_BYTES, MIN_FREE, PAGES, STOP, WAITERS, Control
+from workers.control import BUSY_NS, BYTES, MAX_BYTES, MIN_FREE, PAGES, READS_SUBMITTED, STOP, \
+    WAITERS, Control
 from workers.evictor import EvictorProcess, headroom_bytes
 from workers.pool import BrokenPool, WorkerPool, worker_cpus
 
@@ -182,7 +183,15 @@ class PrefetchEngine(EngineCore):
                 share = share[todo[offset::nw]]
                 if not len(share):
                     continue
-            pushed = (handle.write if writes else handle.submit).push(share)
+            if writes:
+                pushed = handle.write.push(share)
+            else:
+                # Counted before the push: a worker may finish a page before we
+                # could count it after (workers.control: reads outstanding).
+                counts = self.control.workers[handle.index]
+                counts[READS_SUBMITTED] += np.uint64(len(share))
+                pushed = handle.submit.push(share)
+                counts[READS_SUBMITTED] -= np.uint64(len(share) - pushed)
             if pushed:
                 handle.wake.post()
             if pushed < len(share):

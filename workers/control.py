@@ -9,7 +9,10 @@ Every field is an aligned uint64, written by exactly one side:
 
     STOP, WAITERS, MAX_BYTES, MIN_FREE            engine
     STORE_BASE, WRITTEN_AT_SCAN, EVICTOR_PID      evictor
-    per worker: READY_PID, BUSY_NS, PAGES, BYTES, WRITTEN, INFLIGHT   that worker
+    per worker: READY_PID, BUSY_NS, PAGES, BYTES, WRITTEN, INFLIGHT,
+                READS_DONE                                          that worker
+    per worker: READS_SUBMITTED                   engine (and reset, with
+                READS_DONE, by the pool before a worker's replacement starts)
     CANCEL[op_id % CANCEL_SLOTS] = op_id          engine
     PINS[h(digest)] = pages of ops in flight      engine
 
@@ -21,6 +24,14 @@ never under-estimates. WRITTEN is what each worker has reserved in all (it
 reserves a file's bytes before writing it, and gives them back if the write
 fails); INFLIGHT is the reservation of the write it is doing now, which a
 directory scan may not see yet: the evictor adds it to STORE_BASE.
+
+Reads outstanding: READS_SUBMITTED - READS_DONE, summed over workers, is the
+number of read pages the engine has handed out and no worker has finished.
+A worker with a write to do and no read of its own waiting defers the write
+while that sum is above zero (workers.worker: reads first across the whole
+engine, not only within one worker's rings). The engine adds to
+READS_SUBMITTED before it pushes, so a racing reader can only see too few
+reads outstanding (a write goes a moment early), never a count stuck high.
 
 Pins: a counting table indexed by the first 8 bytes of the page digest
 (sha256: uniform). The engine adds 1 per page when an op is submitted and
@@ -35,13 +46,14 @@ from shm import Segment
 MAX_WORKERS = 256
 CANCEL_SLOTS = 4096
 PIN_SLOTS = 1 << 16
-_WORKER_FIELDS = 6
+_WORKER_FIELDS = 8
 STOP, WAITERS, STORE_BASE, WRITTEN_AT_SCAN, MAX_BYTES, MIN_FREE, EVICTOR_PID = range(7)
 _WORKERS_AT = 8
 _CANCEL_AT = _WORKERS_AT + MAX_WORKERS * _WORKER_FIELDS
 _PINS_AT = _CANCEL_AT + CANCEL_SLOTS
 _TOTAL = _PINS_AT + PIN_SLOTS
-READY_PID, BUSY_NS, PAGES, BYTES, WRITTEN, INFLIGHT = range(_WORKER_FIELDS)
+READY_PID, BUSY_NS, PAGES, BYTES, WRITTEN, INFLIGHT, READS_SUBMITTED, READS_DONE = \
+    range(_WORKER_FIELDS)
 
 
 def pin_slots(digests: np.ndarray) -> np.ndarray:
@@ -73,6 +85,11 @@ class Control:
 
     def cancel(self, op_id: int) -> None:
         self.cancel_table[op_id % CANCEL_SLOTS] = op_id
+
+    def reads_outstanding(self, num_workers: int) -> bool:
+        """True if any read page handed to any worker is not finished (module doc)."""
+        w = self.workers[:num_workers]
+        return bool((w[:, READS_SUBMITTED].view(np.int64) > w[:, READS_DONE].view(np.int64)).any())
 
     def store_estimate(self) -> int:
         """Bytes the store holds, as far as this engine knows (see the module doc)."""

@@ -16,7 +16,8 @@ docs/decisions.md entry 18 for which default that gave and why.
 The rules the inline loop keeps still hold:
   - reads first: the dispatcher picks one record at a time, by the same
     rule (a write after `reads_per_write` reads in a row, or when no read
-    waits), and only when a lane is free, so a choice is never made early;
+    waits here and `Worker.write_turn` allows it), and only when a lane is
+    free, so a choice is never made early;
   - at most one write in flight per worker: a read never waits behind more
     than the writes already running, reads and writes run side by side, and
     the capacity reservation (one INFLIGHT word per worker) stays exact.
@@ -36,6 +37,9 @@ from shm.ring import KIND_READ, RECORD_DTYPE
 from workers import directio, pagefile
 
 PARENT_CHECK_S = 0.25
+# How often a worker with a deferred write looks again (workers.worker uses it
+# too): no one posts its wake semaphore when another worker's reads finish.
+DEFER_POLL_S = 0.002
 
 
 class Lane:
@@ -65,13 +69,16 @@ class _Dispatch:
     def next_record(self):
         """The next record by the inline loop's priority rule, or None."""
         w = self.w
-        if not self.writing and w.write_ring.pending() and (
-                w.read_streak >= w.reads_per_write or not w.read_ring.pending()):
-            recs = w.write_ring.pop(1)
-            if len(recs):
-                w.read_streak = 0
-                self.writing = True
-                return recs[0]
+        if not self.writing and w.write_ring.pending():
+            reads_here = w.read_ring.pending()
+            if (reads_here and w.read_streak >= w.reads_per_write) or \
+                    (not reads_here and w.write_turn()):
+                recs = w.write_ring.pop(1)
+                if len(recs):
+                    w.read_streak = 0
+                    w.deferred_since = None
+                    self.writing = True
+                    return recs[0]
         recs = w.read_ring.pop(1)
         if len(recs):
             w.read_streak += 1
@@ -102,8 +109,10 @@ def run_lanes(worker) -> bool:
                 free.release()
                 w.read_streak = 0
                 # Woken by a submission, or by a lane whose write finished while
-                # another write waited.
-                w.wake.wait(PARENT_CHECK_S)
+                # another write waited; a write deferred for reads elsewhere is
+                # looked at again soon (nobody posts for those).
+                deferred = not dispatch.writing and w.write_ring.pending()
+                w.wake.wait(DEFER_POLL_S if deferred else PARENT_CHECK_S)
                 continue
             work.put(rec)
     finally:

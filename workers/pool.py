@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 
 from shm import Ring, WakeSemaphore
-from workers.control import MAX_WORKERS, READY_PID, STOP, Control
+from workers.control import MAX_WORKERS, READS_DONE, READS_SUBMITTED, READY_PID, STOP, Control
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -140,6 +140,10 @@ class WorkerPool:
             raise
         submit, write, completion, wake = made
         self.control.workers[index][READY_PID] = 0
+        # The reads the dead worker held were failed by the engine: none of them
+        # is outstanding any more (workers.control: reads outstanding).
+        self.control.workers[index][READS_SUBMITTED] = 0
+        self.control.workers[index][READS_DONE] = 0
         cfg = dict(self.base_config, index=index, parent_pid=os.getpid(),
                    submit_ring=submit.name, write_ring=write.name, completion_ring=completion.name,
                    ring_capacity=self.ring_capacity, completion_capacity=completion.capacity,

@@ -15,15 +15,22 @@ Two submit rings per worker: `read_ring` (prefetch) and `write_ring`
 (backup). Reads come first: a prefetch is on a request's critical path, a
 backup is not. Writes are taken one at a time, and the read ring is looked at
 (one load) before each, so a read that arrives behind a burst of backups
-waits for at most one page write. Writes are never starved: after
-`reads_per_write` reads in a row with writes waiting, one write goes.
+waits for at most one page write. Reads come first across the engine too: a
+worker with no read of its own defers a write while any worker still has
+reads outstanding (workers.control), because on one device every byte
+written is bandwidth a read does not get (H200 box, O_DIRECT: reads kept
+0.77 of their read-only GB/s beside a backup stream before this rule).
+Writes are never starved: after `reads_per_write` reads in a row with writes
+waiting, one write goes, and a write deferred for WRITE_DEFER_MAX_S goes
+whatever the reads elsewhere.
 
 Loop, with one exit path:
   1. pop up to `batch` records from the read ring; do each (after every
      `reads_per_write` of them, one queued write if any);
-  2. else pop one record from the write ring and do it;
+  2. else, if it is a write's turn (`write_turn`), pop one record from the
+     write ring and do it;
   3. if neither had work: sleep on the wake semaphore (timeout: parent
-     watch), go to 1;
+     watch; DEFER_POLL_S while a write is deferred), go to 1;
   4. each record: skip if its op is cancelled, else do the I/O, push a
      completion (status, io time), post the done semaphore if anyone waits;
   5. leave when the control block says stop or the parent has gone. An
@@ -60,11 +67,14 @@ from shm.names import unlink_names
 from shm.ring import KIND_READ
 from workers import directio, naming, pagefile, status
 from workers.fileio import preadv_full, pwritev_full
-from workers.lanes import PARENT_CHECK_S, Lane, run_lanes
+from workers.lanes import DEFER_POLL_S, PARENT_CHECK_S, Lane, run_lanes
 from workers.storedir import DIR_MODE, ensure_parent
-from workers.control import BUSY_NS, BYTES, INFLIGHT, MAX_BYTES, MIN_FREE, PAGES, READY_PID, \
-    WAITERS, WRITTEN, Control
+from workers.control import BUSY_NS, BYTES, INFLIGHT, MAX_BYTES, MIN_FREE, PAGES, READS_DONE, \
+    READY_PID, WAITERS, WRITTEN, Control
 
+# A write deferred for reads at other workers goes after this long anyway: the
+# backstop against starving backups (their host pages stay pinned meanwhile).
+WRITE_DEFER_MAX_S = 0.5
 # A page's access stamp is refreshed at most this often per worker: LRU needs
 # order at a coarse grain, not a metadata write per read.
 TOUCH_INTERVAL_S = 1.0
@@ -130,6 +140,7 @@ class Worker:
         self.num_workers = int(cfg.get("num_workers", 1))
         self.touched: dict[bytes, float] = {}
         self.read_streak = 0  # reads done in a row while writes waited
+        self.deferred_since = None  # monotonic time a waiting write was first deferred
         self.made_dirs: set[str] = set()
         self.serials = itertools.count(1)  # temp and quarantine names; thread-safe under the GIL
         self.pid = os.getpid()
@@ -161,15 +172,36 @@ class Worker:
                     if self.read_streak >= self.reads_per_write and self.write_ring.pending():
                         self._one_write()  # reads first, but writes are never starved
                 continue
-            if self.write_ring.pending():
-                self._one_write()
-                continue
             self.read_streak = 0
+            if self.write_ring.pending():
+                if self.write_turn():
+                    self._one_write()
+                else:
+                    self.wake.wait(DEFER_POLL_S)
+                continue
             self.wake.wait(PARENT_CHECK_S)
+        return False
+
+    def write_turn(self) -> bool:
+        """With no read of its own waiting: may a queued write go now?
+
+        Not while reads are outstanding at any worker (module docstring),
+        unless this write has been deferred for WRITE_DEFER_MAX_S.
+        """
+        if not self.control.reads_outstanding(self.num_workers):
+            self.deferred_since = None
+            return True
+        now = time.monotonic()
+        if self.deferred_since is None:
+            self.deferred_since = now
+        if now - self.deferred_since >= WRITE_DEFER_MAX_S:
+            self.deferred_since = None
+            return True
         return False
 
     def _one_write(self) -> None:
         self.read_streak = 0
+        self.deferred_since = None
         recs = self.write_ring.pop(1)
         if len(recs):
             self.serve(recs[0], self.lane)
@@ -203,6 +235,8 @@ class Worker:
             self.stats[BUSY_NS] += io_ns
             self.stats[PAGES] += 1
             self.stats[BYTES] += nbytes
+            if rec["kind"] == KIND_READ:
+                self.stats[READS_DONE] += 1
         if self.control.words[WAITERS]:
             self.done.post()
 

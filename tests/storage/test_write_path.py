@@ -94,3 +94,67 @@ def test_backup_over_budget_is_dropped_at_once_and_never_stalls(store):
         assert backup(e, keys[8:14], range(8, 14)).status == "ok"  # room again
     dropped = [line for line in log if "dropped" in line]
     assert len(dropped) == 1 and "backup_budget_pages=6" in dropped[0], dropped
+
+
+def _stalled_pair(e):
+    """Both workers stopped; a read and a write queued at each. Returns
+    (pids, read op, write op, index of worker A's pages, of worker B's)."""
+    old = ["old-0", "old-1"]
+    backup(e, old, range(2))
+    new = ["new-0", "new-1"]
+    _fill(e, new, range(2, 4))
+    pids = stop_workers(e)
+    rop = e.prefetch(old, range(4, 6))   # page j goes to worker (start + j) % 2
+    wop = e.backup(new, range(2, 4))
+    return pids, rop, wop
+
+
+def _pos_at(op, worker) -> int:
+    return int(np.flatnonzero(op.worker_of == worker)[0])
+
+
+def test_a_write_waits_while_another_worker_still_has_reads(store):
+    """Reads first across workers: B, done with its own read, holds its write
+    while A's read is outstanding (one device: a write takes a read's bandwidth)."""
+    with make(store, geo=MID, pages=8, workers=2) as e:
+        pids, rop, wop = _stalled_pair(e)
+        a, b = 0, 1
+        try:
+            cont([pids[b]])                      # only B runs
+            rb, wb = _pos_at(rop, b), _pos_at(wop, b)
+            t0 = time.monotonic()
+            while rop.page_status[rb] == 0 and time.monotonic() - t0 < 10:
+                e.poll()
+                time.sleep(0.005)
+            assert rop.page_status[rb] == 1, "B never did its own read"
+            time.sleep(0.2)                       # well inside WRITE_DEFER_MAX_S (0.5 s)
+            e.poll()
+            assert wop.page_status[wb] == 0, "B wrote while A's read was outstanding"
+        finally:
+            cont(pids)
+        assert e.wait(rop, 30) and e.wait(wop, 30)
+        assert rop.status == "ok" and wop.status == "ok"
+        assert not wrong_pages(e, rop, _allowed(e))
+        # B's write landed only after A's read.
+        assert wop.landed_seq[wb] > rop.landed_seq[_pos_at(rop, a)]
+
+
+def test_a_deferred_write_still_goes_when_reads_elsewhere_never_finish(store):
+    """The backstop: reads stuck at another worker delay a write by
+    WRITE_DEFER_MAX_S at most, never for ever."""
+    with make(store, geo=MID, pages=8, workers=2) as e:
+        pids, rop, wop = _stalled_pair(e)
+        a, b = 0, 1
+        try:
+            cont([pids[b]])                      # A stays stopped: its read never finishes
+            wb = _pos_at(wop, b)
+            t0 = time.monotonic()
+            while wop.page_status[wb] == 0 and time.monotonic() - t0 < 10:
+                e.poll()
+                time.sleep(0.01)
+            assert wop.page_status[wb] == 1, "B's write stalled behind A's stuck read"
+            assert rop.page_status[_pos_at(rop, a)] == 0  # A really was stuck all along
+        finally:
+            cont(pids)
+        assert e.wait(rop, 30) and e.wait(wop, 30)
+        assert rop.status == "ok" and wop.status == "ok"
