@@ -6,13 +6,14 @@ mixed with writes.
 Everything runs on one directory (so one device):
 
   raw write ceiling  max of: P parallel `dd oflag=direct` streams (bs = one page
-                     file), and T plain threads pwritev-ing page-sized files
-                     (O_DIRECT when the engine uses it; the GIL is released in
-                     the syscall)
+                     file), T plain threads and T plain processes pwritev-ing
+                     page-sized files (O_DIRECT when the engine uses it; the
+                     GIL is released in the syscall)
   mp write           PrefetchEngine.backup() of the data set, W workers x D
                      I/Os in flight each (--io-depth, workers.lanes)
-  raw read ceiling   max of: P parallel `dd iflag=direct` streams, and T plain
-                     threads preadv-ing the engine's own page files
+  raw read ceiling   max of: P parallel `dd iflag=direct` streams, T plain
+                     threads and T plain processes preadv-ing the engine's own
+                     page files
   mp cold read       PrefetchEngine.prefetch() of the data set, W workers x D
   mixed              with the most workers and the depth that read best there:
                      a stream of prefetches alone, then
@@ -120,6 +121,45 @@ def raw_threads(paths: list[str], nbytes: int, threads: int, write: bool, direct
     secs = time.perf_counter() - t0
     if errors:
         raise errors[0]
+    return len(paths) * nbytes / secs / 1e9
+
+
+def raw_procs(paths: list[str], nbytes: int, procs: int, write: bool, direct: bool) -> float:
+    """GB/s of `procs` plain processes, each doing open + one preadv/pwritev + close per
+    file of its share: the workers' pattern without the engine (threads of one process
+    share one address space and its locks; worker processes do not)."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    start = ctx.Barrier(procs + 1)
+    flags = directio.O_DIRECT if direct else 0
+
+    def run(share):
+        buf = mmap.mmap(-1, nbytes)
+        start.wait()
+        try:
+            for p in share:
+                if write:
+                    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o600)
+                    os.pwritev(fd, [buf], 0)
+                else:
+                    fd = os.open(p, os.O_RDONLY | flags)
+                    os.preadv(fd, [buf], 0)
+                os.close(fd)
+        except OSError as exc:
+            print(f"raw process: {exc}", file=sys.stderr, flush=True)
+            os._exit(1)
+        os._exit(0)
+
+    ps = [ctx.Process(target=run, args=(paths[i::procs],)) for i in range(procs)]
+    for p in ps:
+        p.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for p in ps:
+        p.join()
+    secs = time.perf_counter() - t0
+    if any(p.exitcode for p in ps):
+        raise OSError(f"a raw {'write' if write else 'read'} process failed (see above)")
     return len(paths) * nbytes / secs / 1e9
 
 
@@ -265,7 +305,7 @@ def parse_args(argv=None):
                    help="the engine's --hicache-mp-io-depth values to sweep at every worker "
                         "count, I/Os in flight per worker (default: 1 2 4; --quick: 1 2)")
     p.add_argument("--raw-threads", type=int, nargs="+", default=None,
-                   help="thread counts of the raw preadv/pwritev ceiling; the best counts "
+                   help="thread (and process) counts of the raw preadv/pwritev ceilings; the best counts "
                         "(default: the largest --workers, and that times the largest --io-depth)")
     p.add_argument("--dd-streams", type=int, default=None,
                    help="parallel dd processes of the dd ceiling (default: the largest --workers)")
@@ -321,10 +361,15 @@ def sweep_mode(args, mode, geometry, base, npages, raw_write_dd, raw_read_dd, me
     try:
         paths = [os.path.join(raw, f"p{i}") for i in range(npages)]
         out["raw_write"] = {"dd": raw_write_dd}
+        how = " O_DIRECT" if direct else ""
         for t in threads:
             tw = raw_threads(paths, file_bytes, t, True, direct)
-            log(f"{tag} raw write: {t} threads pwritev{' O_DIRECT' if direct else ''}: {tw:.2f} GB/s")
+            log(f"{tag} raw write: {t} threads pwritev{how}: {tw:.2f} GB/s")
             out["raw_write"][f"threads_{t}"] = tw
+            drop_cache(paths)
+            pw = raw_procs(paths, file_bytes, t, True, direct)
+            log(f"{tag} raw write: {t} processes pwritev{how}: {pw:.2f} GB/s")
+            out["raw_write"][f"procs_{t}"] = pw
             drop_cache(paths)
         shutil.rmtree(raw, ignore_errors=True)
         sweep = []
@@ -348,9 +393,12 @@ def sweep_mode(args, mode, geometry, base, npages, raw_write_dd, raw_read_dd, me
         for t in threads:
             drop_cache(files)
             tr = raw_threads(files, file_bytes, t, False, direct)
-            log(f"{tag} raw read: {t} threads preadv{' O_DIRECT' if direct else ''} of the "
-                f"engine's files: {tr:.2f} GB/s")
+            log(f"{tag} raw read: {t} threads preadv{how} of the engine's files: {tr:.2f} GB/s")
             out["raw_read"][f"threads_{t}"] = tr
+            drop_cache(files)
+            pr = raw_procs(files, file_bytes, t, False, direct)
+            log(f"{tag} raw read: {t} processes preadv{how} of the engine's files: {pr:.2f} GB/s")
+            out["raw_read"][f"procs_{t}"] = pr
         if not args.no_mixed:
             at_top = [r for r in sweep if r["workers"] == top]
             depth = max(at_top, key=lambda r: r["read_gbps"])["io_depth"]
@@ -376,7 +424,7 @@ def sweep_mode(args, mode, geometry, base, npages, raw_write_dd, raw_read_dd, me
         log(f"{tag} {row['workers']:>8} {row['io_depth']:>6} {row['write_gbps']:>11.2f} "
             f"{row['write_gbps'] / raw_write:>10.2f} {row['read_gbps']:>10.2f} "
             f"{row['read_gbps'] / raw_read:>9.2f}")
-    log(f"{tag} raw ceilings (best of dd and threads): read {raw_read:.2f} GB/s, "
+    log(f"{tag} raw ceilings (best of dd, threads and processes): read {raw_read:.2f} GB/s, "
         f"write {raw_write:.2f} GB/s")
     log(f"{tag} cold read / raw read (best, {r['read_best_workers']} workers x depth "
         f"{r['read_best_io_depth']}): "

@@ -25,6 +25,7 @@ def test_bench_storage_quick(tmp_path):
             assert row["write_statuses"] == {"ok": report["pages"]}, row
         r = mode["ratios"]
         assert r["raw_read_gbps"] > 0 and r["raw_write_gbps"] > 0
+        assert mode["raw_read"]["procs_2"] > 0 and mode["raw_write"]["procs_2"] > 0
         assert r["read_over_raw"] > 0 and r["write_over_raw"] > 0
         assert mode["mixed"]["read_with_writes"]["statuses"].get("ok", 0) > 0
     assert "target >= 0.90" in proc.stdout
