@@ -154,16 +154,15 @@ def open_files(pid: int) -> list[str]:
     return out
 
 
-def stop_during_io(pid: int, wanted, timeout_s: float = 10.0) -> str | None:
+def stop_during_io(pid: int, wanted, timeout_s: float = 10.0, run_s: float = 0.0002) -> str | None:
     """Step a stopped `pid` until it holds an open file `wanted(path)` accepts.
 
     The caller SIGSTOPs the worker before giving it work. Each step lets it run
-    for a moment (SIGCONT, short sleep, SIGSTOP) and looks at /proc/<pid>/fd.
+    for `run_s` (SIGCONT, sleep, SIGSTOP) and looks at /proc/<pid>/fd.
     Returns the path with the process left stopped (the caller kills it), or
     None if it never caught the worker in the act.
     """
     deadline = time.monotonic() + timeout_s
-    run_s = 0.0002
     while time.monotonic() < deadline:
         _wait_stopped(pid)
         hit = [p for p in open_files(pid) if wanted(p)]

@@ -177,8 +177,10 @@ class Soak:
 def test_soak(tmp_path, capsys):
     seed = int(os.environ.get("HICACHE_SOAK_SEED", time.time_ns() % 2**32))
     rng = random.Random(seed)
+    depth = 1 + seed % 2  # the seed also picks inline workers or two lanes each
     with make(str(tmp_path), geo=GEO, layout="layer_first", pages=SLOTS, workers=3,
-              worker_batch=4, write_checksum=True, quarantine_bad_files=True) as e:
+              worker_batch=4, write_checksum=True, quarantine_bad_files=True,
+              io_depth=depth) as e:
         soak = Soak(e, rng)
         end = time.monotonic() + _duration()
         while time.monotonic() < end:
@@ -202,7 +204,7 @@ def test_soak(tmp_path, capsys):
         line = (f"soak: ops={soak.ops} faults injected={soak.kills + soak.damage} "
                 f"survived={survived} pages checked={soak.checked} wrong bytes={soak.wrong}")
         with capsys.disabled():
-            print(f"\n{line} (seed {seed}, {soak.kills} kills, {soak.damage} damaged files, "
+            print(f"\n{line} (seed {seed}, io_depth {depth}, {soak.kills} kills, {soak.damage} damaged files, "
                   f"{soak.damage_seen} read back as corrupt/wrong_key, lost={soak.lost})")
         assert soak.wrong == 0 and soak.lost == 0, line
         assert respawned == soak.kills, line

@@ -9,6 +9,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from workers import naming
 
 from faultkit import BIG, backup, content, fingerprint, get, make, prefetch, \
@@ -44,14 +46,24 @@ def test_worker_killed_with_pages_queued(store):
         assert again.status == "ok" and not wrong_pages(e, again, _allowed(e))
 
 
-def test_worker_killed_mid_read(store):
+# The two tests below also run at io_depth 2: the lanes (threads) die with the
+# worker mid-I/O, and the outcome must be the same.
+# Lanes pass the GIL between syscalls, so a step must be long enough for a
+# thread handoff or the worker makes no progress between stops.
+def _step_s(depth):
+    return 0.0002 if depth == 1 else 0.001
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_worker_killed_mid_read(store, depth):
     keys = [f"r{i}" for i in range(N)]
-    with make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1) as e:
+    with make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1, io_depth=depth) as e:
         assert backup(e, keys, range(N)).status == "ok"
         victim = e.pool.workers[1]
         os.kill(victim.pid, signal.SIGSTOP)  # stop_during_io steps it from here
         op = e.prefetch(keys, range(N, 2 * N))
-        caught = stop_during_io(victim.pid, lambda p: p.endswith(naming.PAGE_SUFFIX))
+        caught = stop_during_io(victim.pid, lambda p: p.endswith(naming.PAGE_SUFFIX),
+                                run_s=_step_s(depth))
         os.kill(victim.pid, signal.SIGKILL)
         assert caught, "never caught the worker inside a read"
         _wait_bounded(e, op)
@@ -63,16 +75,17 @@ def test_worker_killed_mid_read(store):
         assert again.status == "ok" and not wrong_pages(e, again, _allowed(e))
 
 
-def test_worker_killed_mid_write(store):
+@pytest.mark.parametrize("depth", [1, 2])
+def test_worker_killed_mid_write(store, depth):
     keys = [f"w{i}" for i in range(N)]
-    with make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1) as e:
+    with make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1, io_depth=depth) as e:
         pb = e.geometry.page_bytes
         for i, k in enumerate(keys):
             put(e, i, content(k, pb))
         victim = e.pool.workers[1]
         os.kill(victim.pid, signal.SIGSTOP)
         op = e.backup(keys, range(N))
-        tmp = stop_during_io(victim.pid, lambda p: naming.TMP_MARK in p)
+        tmp = stop_during_io(victim.pid, lambda p: naming.TMP_MARK in p, run_s=_step_s(depth))
         os.kill(victim.pid, signal.SIGKILL)
         assert tmp, "never caught the worker inside a write"
         _wait_bounded(e, op)
