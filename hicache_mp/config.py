@@ -190,7 +190,41 @@ def engine_options(args) -> dict:
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
+# EngineConfig fields a server's own configuration may set by name (SGLang's
+# extra-config, hicache_mp.integrations.sglang): the storage behaviour of
+# add_engine_flags, plus the knobs behind it.
+STORAGE_KEYS = ("direct_io", "io_depth", "fsync", "backup_budget_pages", "storage_max_bytes",
+                "storage_min_free_bytes", "reads_per_write", "eviction_interval_s",
+                "quarantine_bad_files")
+_SIZE_KEYS = ("storage_max_bytes", "storage_min_free_bytes")
+
+
+def storage_options_from(mapping: dict) -> dict:
+    """EngineConfig keyword arguments for the STORAGE_KEYS present in `mapping`.
+
+    Sizes may be strings with suffixes ("500G"); every value is then checked
+    by EngineConfig itself, so a bad one is a ValueError naming the field
+    before any worker starts.
+    """
+    out = {}
+    for key in STORAGE_KEYS:
+        if key in mapping:
+            value = mapping[key]
+            out[key] = parse_size(value) if key in _SIZE_KEYS and isinstance(value, str) else value
+    return out
+
+
 def _size(text: str) -> int:
+    """argparse type for sizes: parse_size with argparse's error."""
+    import argparse
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_size(text: str) -> int:
+    """Bytes in "500G", "1.5T", "64MiB" or "1048576" (K/M/G/T: powers of 1024)."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     unit = t[-1:] if t[-1:] in _SUFFIX and t[-1:] else ""
     try:

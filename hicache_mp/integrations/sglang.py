@@ -61,7 +61,7 @@ from workers import naming
 from workers import status as st
 from workers.storedir import fanout_dirs
 
-from ..config import EngineConfig
+from ..config import STORAGE_KEYS, EngineConfig, storage_options_from
 from ..engine import PrefetchEngine
 from ..ops import Op
 from .sglang_layouts import flat_page_view, host_page_view
@@ -72,6 +72,15 @@ log = logging.getLogger("hicache_mp.sglang")
 ZERO_COPY_LAYOUTS = ("layer_first", "page_first_direct")
 DEFAULT_STORAGE_DIR = "/tmp/hicache_mp"
 DEFAULT_STAGING_PAGES = 256  # two of SGLang's STORAGE_BATCH_SIZE (128) batches in flight
+# Every extra-config key anyone reads: SGLang's dynamic loader and allocator
+# switches, this adapter's own, and the engine's storage keys.
+KNOWN_KEYS = frozenset({
+    "backend_name", "module_path", "class_name", "interface_v1", "allocator",
+    "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+    "hicache_storage_pass_prefix_keys", "tp_lcm_size",
+    "storage_dir", "file_storage_path", "num_workers", "staging_pages", "io_timeout_s",
+    "write_checksum", "verify_checksum", "pin_workers", "rescan_interval_s", "zero_copy",
+    *STORAGE_KEYS})
 HOW_TO_ZERO_COPY = ('For zero-copy start SGLang with "allocator":"shm" in '
                     '--hicache-storage-backend-extra-config (SGLang >= 0.5.17) and '
                     '--hicache-mem-layout layer_first or page_first_direct')
@@ -172,7 +181,11 @@ class HiCacheMP(HiCacheStorage):
     else $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else /tmp/hicache_mp),
     `num_workers` (0 = auto), `staging_pages`, `io_timeout_s`, `fsync`,
     `write_checksum`, `verify_checksum`, `pin_workers`, `rescan_interval_s`,
-    `zero_copy` (false forces the staging path).
+    `zero_copy` (false forces the staging path), and the storage keys of
+    hicache_mp.config.STORAGE_KEYS (`direct_io`, `io_depth`,
+    `storage_max_bytes` ("500G" or bytes), `storage_min_free_bytes`,
+    `backup_budget_pages`, ...). A key nobody reads is logged once: a typo
+    must not silently leave the disk without its limit.
     """
 
     def __init__(self, storage_config, kwargs=None):
@@ -184,6 +197,11 @@ class HiCacheMP(HiCacheStorage):
                             or os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR")
                             or DEFAULT_STORAGE_DIR)
         self.io_timeout_s = self.extra.get("io_timeout_s")
+        unknown = sorted(set(self.extra) - KNOWN_KEYS)
+        if unknown:
+            log.warning("hicache_mp: extra-config key(s) %s are not used by hicache_mp or by "
+                        "SGLang's dynamic backend loader (known: %s)", unknown,
+                        ", ".join(sorted(KNOWN_KEYS)))
         self.mem_pool_host = None
         self.engine: PrefetchEngine | None = None
         self.zero_copy = False
@@ -227,12 +245,12 @@ class HiCacheMP(HiCacheStorage):
         return EngineConfig(
             storage_dir=self.storage_dir, num_workers=int(x.get("num_workers", 0)),
             host_pool_pages=pages, pin_workers=bool(x.get("pin_workers", False)),
-            fsync=x.get("fsync", "none"), write_checksum=bool(x.get("write_checksum", False)),
+            write_checksum=bool(x.get("write_checksum", False)),
             verify_checksum=bool(x.get("verify_checksum", True)),
             # MLA: only rank 0 writes; the other ranks find its pages by a stat on miss
             # (batch_exists) and by this periodic rescan.
             rescan_interval_s=float(x.get("rescan_interval_s", 5.0 if mla_shared else 0.0)),
-            **self.shard.engine_names())
+            **storage_options_from(x), **self.shard.engine_names())
 
     def _need_engine(self) -> PrefetchEngine:
         if self.engine is None:

@@ -308,3 +308,34 @@ def test_zero_copy_from_a_daemonic_scheduler_process(store):
     finally:
         proc.join(30)
     assert proc.exitcode == 0
+
+
+def test_storage_keys_in_the_extra_config_reach_the_engine(attach):
+    backend, pool = attach(storage_max_bytes="64M", storage_min_free_bytes=1 << 20,
+                           io_depth=2, backup_budget_pages=4, direct_io="off",
+                           reads_per_write=3)
+    cfg = backend.engine.config
+    assert (cfg.storage_max_bytes, cfg.storage_min_free_bytes) == (64 << 20, 1 << 20)
+    assert (cfg.io_depth, cfg.backup_budget_pages, cfg.direct_io, cfg.reads_per_write) == \
+        (2, 4, "off", 3)
+    m = backend.engine.metrics()
+    assert m["io_depth"] == 2 and m["backup_budget_pages"] == 4 and not m["direct_io"]
+    assert backend.engine.evictor is not None  # the capacity limit is enforced, not just stored
+    want = fill_random(pool, [1, 2], seed=3)
+    assert backend.batch_set_v1(["k1", "k2"], pool.token_indices([1, 2])) == [True, True]
+    assert backend.batch_get_v1(["k1", "k2"], pool.token_indices([5, 6])) == [True, True]
+    assert all(torch.equal(pool.get_data_page(p * pool.page_size), w) for p, w in zip([5, 6], want))
+
+
+@pytest.mark.parametrize("key, value", [("io_depth", 99), ("direct_io", "sometimes"),
+                                        ("storage_max_bytes", "lots")])
+def test_a_bad_storage_key_is_a_clear_error_before_any_worker(attach, key, value):
+    with pytest.raises(ValueError, match=key if key != "storage_max_bytes" else "not a size"):
+        attach(**{key: value})
+
+
+def test_an_unknown_extra_config_key_is_logged(attach, caplog):
+    caplog.set_level(logging.WARNING, logger="hicache_mp")
+    attach(storage_max_byte="1G")  # the typo a user makes
+    lines = [r.getMessage() for r in caplog.records if "not used by hicache_mp" in r.getMessage()]
+    assert len(lines) == 1 and "storage_max_byte" in lines[0]
