@@ -226,17 +226,19 @@ class Worker:
         out["flags"][0] = err
         out["io_ns"][0] = io_ns
         with self.push_lock:
-            while self.completion.push(out) == 0:
-                # The scheduler has not drained completions yet; it will. Never drop one.
-                if self.parent_gone() or self.control.stopping():
-                    return
-                time.sleep(0.0005)
-            # With lanes BUSY_NS sums every lane's I/O time: busy fraction can pass 1.
+            # Counted before the completion is pushed, so metrics() never shows
+            # fewer pages than the engine has already seen complete. With lanes
+            # BUSY_NS sums every lane's I/O time: busy fraction can pass 1.
             self.stats[BUSY_NS] += io_ns
             self.stats[PAGES] += 1
             self.stats[BYTES] += nbytes
             if rec["kind"] == KIND_READ:
                 self.stats[READS_DONE] += 1
+            while self.completion.push(out) == 0:
+                # The scheduler has not drained completions yet; it will. Never drop one.
+                if self.parent_gone() or self.control.stopping():
+                    return
+                time.sleep(0.0005)
         if self.control.words[WAITERS]:
             self.done.post()
 
