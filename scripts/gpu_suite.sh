@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU-machine check and benchmark in one go, for a lent box with a time
-# limit: DeviceLoader correctness, H2D rates, prefetch ratios, and a small
-# full-geometry long-context run. Usage: scripts/gpu_suite.sh OUTDIR [NUM_REQUESTS]
+# limit: DeviceLoader correctness, H2D rates, prefetch ratios, cold storage
+# against raw ceilings, and a small full-geometry long-context run (the
+# README's 20-request run needs its own calls: stock `file` alone takes ~6 min). Usage: scripts/gpu_suite.sh OUTDIR [NUM_REQUESTS]
 # Each step has its own time limit, so one slow step cannot eat the others.
 set -u
 out=${1:?usage: scripts/gpu_suite.sh OUTDIR [NUM_REQUESTS]}
@@ -26,5 +27,7 @@ TAIL=16 step bench_prefetch 180 python3 scripts/bench_prefetch.py --workers 8 12
 TAIL=12 step bench_prefetch_pinned 80 python3 scripts/bench_prefetch.py --workers 15 --pin-workers --pages 1024 \
   --rounds 2 --repeats 3 --storage-dir /tmp/hicache_mp_prefetch --json "$out/prefetch_pinned.json"
 rm -rf /tmp/hicache_mp_prefetch
+TAIL=24 step bench_storage 240 python3 scripts/bench_storage.py --dir /tmp --workers 4 15 --io-depth 1 2 \
+  --total-gib 2 --direct-io on off --json "$out/storage.json"
 TAIL=12 step long_context 150 python3 scripts/bench_long_context.py --num-requests "$nreq" \
   --storage-dir /tmp/hicache_mp_lc --json "$out/long_context.json"
