@@ -2,11 +2,12 @@
 # Every GPU-machine check and benchmark in one go, for a lent box with a time
 # limit: DeviceLoader correctness, H2D rates, prefetch ratios, cold storage
 # against raw ceilings, and a small full-geometry long-context run (the
-# README's 20-request run needs its own calls: stock `file` alone takes ~6 min). Usage: scripts/gpu_suite.sh OUTDIR [NUM_REQUESTS]
-# Each step has its own time limit, so one slow step cannot eat the others;
-# together the limits pass the device's 10-minute call, the steps themselves
-# took about 6 minutes (2026-11-30). --pin-workers is measured no more: it
-# lost on this VM (README, Prefetch).
+# README's 20-request run needs calls of its own: stock `file` alone takes
+# about 6 minutes there). Usage: scripts/gpu_suite.sh OUTDIR [NUM_REQUESTS]
+# Each step has its own time limit, so one slow step cannot eat the others.
+# The limits add up to more than the device's 10-minute call; run it with
+# the call's full limit and read what came back under OUTDIR. --pin-workers
+# is not measured any more: it lost on this VM (README, Prefetch).
 set -u
 out=${1:?usage: scripts/gpu_suite.sh OUTDIR [NUM_REQUESTS]}
 nreq=${2:-6}
