@@ -257,14 +257,19 @@ class Bench:
                 yield_ms=yield_ms, host_slots=self.pool_pages,
                 key_salt=f"{self.nonce}.{label}:", verify=cfg.verify,
                 page_bytes_gen=self.pagebytes, max_run_s=cfg.max_run_s, loader=loader,
-                progress=lambda done, total, t: self.log(
-                    f"[{label}] {done}/{total} requests done at {t:.1f} s")))
+                progress=lambda done, total, t: self._progress(label, engine, done, total, t)))
             return sched.run()
         finally:
             namespace = getattr(engine, "namespace", None)
             engine.close()
             if namespace is not None:
                 self._drop_write_backs(store, namespace, label)
+
+    def _progress(self, label: str, engine, done: int, total: int, t: float) -> None:
+        line = f"[{label}] {done}/{total} requests done at {t:.1f} s"
+        if label != "none":
+            line += f"; {engine.metrics()['read_bytes'] / 1e9:.2f} GB prefetched so far"
+        self.log(line)
 
     def _loader(self, engine):
         """A DeviceLoader owned by the engine (closed with it), or None."""

@@ -52,6 +52,9 @@ class SchedulerConfig:
     page_bytes_gen: object = None    # PageBytes: stamps write-back slots, checks prefetched ones
     progress: Callable | None = None  # progress(done, total, elapsed_s)
     progress_every: int = 8
+    # Also report this often while no request finishes: a starved `file` run at
+    # full scale goes minutes without one, and a silent run looks hung.
+    progress_interval_s: float = 15.0
     max_run_s: float | None = None   # a stuck run raises instead of spinning for ever
     loader: object = None            # a DeviceLoader attached to the engine: pages go to the GPU
 
@@ -158,7 +161,7 @@ class Scheduler:
         yield_s = cfg.yield_ms / 1000.0
         iters = reported = 0
         t0 = time.perf_counter_ns()
-        now_s = 0.0
+        now_s = last_report_s = 0.0
         while len(self.finished) < total:
             iters += 1
             now_ns = time.perf_counter_ns()
@@ -211,9 +214,13 @@ class Scheduler:
                 n = len(self.finished)
                 if cfg.progress and batch.finished_some and (
                         n // cfg.progress_every > reported // cfg.progress_every or n == total):
-                    reported = n
+                    reported, last_report_s = n, now_s
                     cfg.progress(n, total, now_s)
                 batch = None
+            elif cfg.progress and cfg.progress_interval_s and \
+                    now_s - last_report_s >= cfg.progress_interval_s:
+                last_report_s = now_s
+                cfg.progress(len(self.finished), total, now_s)
             if batch is None:
                 batch = self._next_batch(now_s, now_ns)
             # 6. the workaround

@@ -37,9 +37,12 @@ def test_small_run_prints_table_and_writes_json(tmp_path, capsys):
     rc = cli.main(["bench", "--quick", "--num-requests", "3", "--hicache-storage-backend", "mp",
                    "--storage-dir", str(tmp_path / "s"), "--json", str(path)])
     assert rc == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "Serving Benchmark Result (mp)" in out and "Comparison" in out
     rep = json.loads(path.read_text())
+    # Progress (stderr) says how much has moved; its last line agrees with the report.
+    gb = rep["runs"]["mp"]["engine"]["read_bytes"] / 1e9
+    assert "[mp] 3/3 requests done at " in err and f"; {gb:.2f} GB prefetched so far" in err
     assert list(rep["runs"]) == ["mp"] and rep["command"][:2] == ["hicache-mp", "bench"]
     assert rep["runs"]["mp"]["summary"]["total_requests"] == 3
 
