@@ -239,6 +239,20 @@ class HiCacheMP(HiCacheStorage):
                     "shared-memory pool and copied (one extra copy per page). %s.",
                     why, HOW_TO_ZERO_COPY)
 
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        """SGLang's hybrid models (Mamba/SWA/DSA sidecar pools) register extra
+        host pools here and then move them with batch_*_v2, which this backend
+        does not implement. Refuse at attach, where SGLang turns the error into
+        a failed attach with this message, rather than fail mid-serving on the
+        first sidecar read. The primary KV pool itself is welcome."""
+        if host_pool is self.mem_pool_host:
+            return
+        raise NotImplementedError(
+            f"hicache_mp: host pool {host_pool_name!r} is a sidecar pool of a hybrid model "
+            f"(Mamba/SWA/DSA state); hicache_mp moves KV pages only (SGLang's v1 storage "
+            f"interface), not the v2 interface such pools need. Use another storage backend "
+            f"for this model")
+
     def _config(self, pages: int) -> EngineConfig:
         x = self.extra
         mla_shared = self.is_mla and self.shard.tp_size > 1

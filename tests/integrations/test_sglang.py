@@ -339,3 +339,17 @@ def test_an_unknown_extra_config_key_is_logged(attach, caplog):
     attach(storage_max_byte="1G")  # the typo a user makes
     lines = [r.getMessage() for r in caplog.records if "not used by hicache_mp" in r.getMessage()]
     assert len(lines) == 1 and "storage_max_byte" in lines[0]
+
+
+def test_a_hybrid_models_sidecar_pool_is_refused_at_attach(attach):
+    backend, pool = attach()
+    backend.register_mem_host_pool_v2(pool, "kv")  # the primary pool itself is fine
+    sidecar = CpuMHAHostPool(layout="layer_first", allocator_type="shm", pages=4)
+    try:
+        with pytest.raises(NotImplementedError, match="sidecar pool of a hybrid model"):
+            backend.register_mem_host_pool_v2(sidecar, "mamba")
+    finally:
+        sidecar.close()
+    # The KV path still works after the refusal.
+    fill_random(pool, [1], seed=5)
+    assert backend.batch_set_v1(["hy-1"], pool.token_indices([1])) == [True]
