@@ -83,6 +83,17 @@ def page_files(root: str) -> list[str]:
 
 
 # --- raw ceilings ----------------------------------------------------------------
+def _one_file(path: str, buf, write: bool, flags: int) -> None:
+    """The workers' per-page pattern, bare: open, one pwritev/preadv of `buf`, close."""
+    if write:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o600)
+        os.pwritev(fd, [buf], 0)
+    else:
+        fd = os.open(path, os.O_RDONLY | flags)
+        os.preadv(fd, [buf], 0)
+    os.close(fd)
+
+
 def raw_threads(paths: list[str], nbytes: int, threads: int, write: bool, direct: bool) -> float:
     """GB/s of `threads` plain threads each doing open + one preadv/pwritev + close per file."""
     flags = directio.O_DIRECT if direct else 0
@@ -99,13 +110,7 @@ def raw_threads(paths: list[str], nbytes: int, threads: int, write: bool, direct
                         return
                     p = todo.pop()
                 try:
-                    if write:
-                        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o600)
-                        os.pwritev(fd, [buf], 0)
-                    else:
-                        fd = os.open(p, os.O_RDONLY | flags)
-                        os.preadv(fd, [buf], 0)
-                    os.close(fd)
+                    _one_file(p, buf, write, flags)
                 except OSError as exc:
                     errors.append(exc)
                     return
@@ -138,13 +143,7 @@ def raw_procs(paths: list[str], nbytes: int, procs: int, write: bool, direct: bo
         start.wait()
         try:
             for p in share:
-                if write:
-                    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o600)
-                    os.pwritev(fd, [buf], 0)
-                else:
-                    fd = os.open(p, os.O_RDONLY | flags)
-                    os.preadv(fd, [buf], 0)
-                os.close(fd)
+                _one_file(p, buf, write, flags)
         except OSError as exc:
             print(f"raw process: {exc}", file=sys.stderr, flush=True)
             os._exit(1)

@@ -20,6 +20,7 @@ import numpy as np
 
 from hicache_mp import EngineConfig, PageGeometry, make_engine
 from workers import naming
+from workers.evictor import scan
 
 from .instant import InstantStore
 from .pagebytes import PageBytes
@@ -168,7 +169,7 @@ class Bench:
     def _check_disk(self, store: str) -> None:
         os.makedirs(store, mode=0o700, exist_ok=True)
         # A store kept from an earlier run (same --storage-dir) already holds its share.
-        need = max(0, self.store_bytes() - _tree_bytes(store))
+        need = max(0, self.store_bytes() - scan(store)[1])
         free = shutil.disk_usage(store).free
         if need > free:
             per_req = need / len(self.requests)
@@ -369,17 +370,6 @@ def comparison(runs: dict) -> dict:
 def table_rows(runs: dict) -> dict:
     """What `format_comparison` takes: each run's summary merged with its extras."""
     return {k: {**v["summary"], **v["extra"]} for k, v in runs.items()}
-
-
-def _tree_bytes(root: str) -> int:
-    total = 0
-    for d, _, files in os.walk(root):
-        for f in files:
-            try:
-                total += os.stat(os.path.join(d, f)).st_size
-            except OSError:
-                pass
-    return total
 
 
 def _tempdir() -> str:
