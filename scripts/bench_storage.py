@@ -162,6 +162,23 @@ def raw_procs(paths: list[str], nbytes: int, procs: int, write: bool, direct: bo
     return len(paths) * nbytes / secs / 1e9
 
 
+def raw_ceilings(paths: list[str], nbytes: int, counts: list[int], write: bool, direct: bool,
+                 tag: str) -> dict:
+    """Thread and process ceilings at each count, the page cache dropped before each:
+    {"threads_N": GB/s, "procs_N": GB/s}."""
+    verb = "pwritev" if write else "preadv"
+    how = (" O_DIRECT" if direct else "") + ("" if write else " of the engine's files")
+    out = {}
+    for n in counts:
+        for key, label, measure in (("threads", "threads", raw_threads),
+                                    ("procs", "processes", raw_procs)):
+            drop_cache(paths)
+            gbps = measure(paths, nbytes, n, write, direct)
+            log(f"{tag} raw {'write' if write else 'read'}: {n} {label} {verb}{how}: {gbps:.2f} GB/s")
+            out[f"{key}_{n}"] = gbps
+    return out
+
+
 def raw_dd(directory: str, block: int, blocks: int, streams: int, write: bool) -> float | None:
     """GB/s of `streams` parallel dd processes with O_DIRECT, each on its own file."""
     if not shutil.which("dd"):
@@ -359,17 +376,8 @@ def sweep_mode(args, mode, geometry, base, npages, raw_write_dd, raw_read_dd, me
     log(f"{tag} engine I/O: {why}")
     try:
         paths = [os.path.join(raw, f"p{i}") for i in range(npages)]
-        out["raw_write"] = {"dd": raw_write_dd}
-        how = " O_DIRECT" if direct else ""
-        for t in threads:
-            tw = raw_threads(paths, file_bytes, t, True, direct)
-            log(f"{tag} raw write: {t} threads pwritev{how}: {tw:.2f} GB/s")
-            out["raw_write"][f"threads_{t}"] = tw
-            drop_cache(paths)
-            pw = raw_procs(paths, file_bytes, t, True, direct)
-            log(f"{tag} raw write: {t} processes pwritev{how}: {pw:.2f} GB/s")
-            out["raw_write"][f"procs_{t}"] = pw
-            drop_cache(paths)
+        out["raw_write"] = {"dd": raw_write_dd,
+                            **raw_ceilings(paths, file_bytes, threads, True, direct, tag)}
         shutil.rmtree(raw, ignore_errors=True)
         sweep = []
         read_keys = [f"page-{i}" for i in range(npages)]
@@ -388,16 +396,8 @@ def sweep_mode(args, mode, geometry, base, npages, raw_write_dd, raw_read_dd, me
                     f"cold read {rg:6.2f} GB/s {rc}")
         out["sweep"] = sweep
         files = page_files(store)
-        out["raw_read"] = {"dd": raw_read_dd}
-        for t in threads:
-            drop_cache(files)
-            tr = raw_threads(files, file_bytes, t, False, direct)
-            log(f"{tag} raw read: {t} threads preadv{how} of the engine's files: {tr:.2f} GB/s")
-            out["raw_read"][f"threads_{t}"] = tr
-            drop_cache(files)
-            pr = raw_procs(files, file_bytes, t, False, direct)
-            log(f"{tag} raw read: {t} processes preadv{how} of the engine's files: {pr:.2f} GB/s")
-            out["raw_read"][f"procs_{t}"] = pr
+        out["raw_read"] = {"dd": raw_read_dd,
+                           **raw_ceilings(files, file_bytes, threads, False, direct, tag)}
         if not args.no_mixed:
             at_top = [r for r in sweep if r["workers"] == top]
             depth = max(at_top, key=lambda r: r["read_gbps"])["io_depth"]
