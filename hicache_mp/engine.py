@@ -134,7 +134,8 @@ class PrefetchEngine(EngineCore):
                 "write_checksum": config.write_checksum, "fsync": config.fsync,
                 "quarantine_bad_files": config.quarantine_bad_files,
                 "batch": config.worker_batch, "direct_io": self.direct_io,
-                "reads_per_write": config.reads_per_write, "io_depth": config.resolved_io_depth(self.direct_io),
+                "reads_per_write": config.reads_per_write,
+                "io_depth": config.resolved_io_depth(self.direct_io),
                 "num_workers": workers, **capacity,
             }
             if own_fd is not None:

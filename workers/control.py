@@ -30,8 +30,11 @@ number of read pages the engine has handed out and no worker has finished.
 A worker with a write to do and no read of its own waiting defers the write
 while that sum is above zero (workers.worker: reads first across the whole
 engine, not only within one worker's rings). The engine adds to
-READS_SUBMITTED before it pushes, so a racing reader can only see too few
-reads outstanding (a write goes a moment early), never a count stuck high.
+READS_SUBMITTED before it pushes, so READS_DONE never passes it: a racing
+reader may see a read outstanding a moment before it is queued (a write
+waits a moment longer), never a negative count. A dead worker's pair is
+zeroed before its replacement starts, so its lost reads do not stay
+outstanding.
 
 Pins: a counting table indexed by the first 8 bytes of the page digest
 (sha256: uniform). The engine adds 1 per page when an op is submitted and
