@@ -37,6 +37,8 @@ from .index import StoreIndex
 from .ops import READ, WRITE, Op
 
 log = logging.getLogger("hicache_mp")
+_IS_READ_MISS = np.zeros(256, dtype=bool)  # by status code: a read result that heals the index
+_IS_READ_MISS[list(st.READ_MISSES)] = True
 
 
 def _check_pool_size(nbytes: int) -> None:
@@ -89,7 +91,7 @@ class EngineCore:
         self._write_pages = 0          # host pages held by backups in flight (the budget's count)
         self._backup_budget = config.resolved_backup_budget()
         self._pins = np.zeros(PIN_SLOTS, dtype=np.uint64)  # the mp engine shares its own
-        self._seq = 0                  # completions seen, in order (Op.landed_seq)
+        self._seq = 0                  # completions seen, in order (Op.landed_seq; may skip)
         self.loader = None
 
     # --- public API -----------------------------------------------------------
@@ -277,16 +279,20 @@ class EngineCore:
                 raise ValueError("host pages repeat within one op")
         return pages
 
-    def _apply(self, op: Op, pos: int, code: int, io_ns: int, err: int, now_ns: int) -> None:
-        """Feed one page's outcome to its op; retire the op when it is done."""
+    def _apply(self, op: Op, pos: int, code: int, io_ns: int, err: int, now_ns: int,
+               seq: int | None = None) -> None:
+        """Feed one page's outcome to its op; retire the op when it is done.
+        `seq`: its place in the landed order, when the caller numbered a batch."""
         if op.page_status[pos] != st.PENDING:
             return
         self._reserved[op.host_pages[pos]] = False
         self._pins[op.pin_slots[pos]] -= 1
         if op.kind == WRITE:
             self._write_pages -= 1
-        op.landed_seq[pos] = self._seq
-        self._seq += 1
+        if seq is None:
+            seq = self._seq
+            self._seq += 1
+        op.landed_seq[pos] = seq
         self._counts[op.kind][code] += 1
         if code == st.OK:
             if op.kind == WRITE:
@@ -296,10 +302,54 @@ class EngineCore:
                 self.index.discard(op.digests[pos])  # the index was stale: heal it
             self._log_cause(op.kind, code, err)
         if op._complete(pos, code, io_ns, now_ns):
-            self._ops.pop(op.id, None)
-            self._in_flight[op.kind] -= 1
-            if self._in_flight[op.kind] == 0:
-                self._busy_ns[op.kind] += now_ns - self._busy_since[op.kind]
+            self._retire(op, now_ns)
+
+    def _apply_many(self, op: Op, pos, codes, io_ns, errs, seqs, now_ns: int) -> None:
+        """`_apply` for many pages of one op at once (numpy arrays; a page at most
+        once); `seqs` are their places in the engine-wide completion order.
+
+        What `poll()` pays per drained completion: a scheduler that polls once
+        per step (SGLang does) drains a step's worth of pages together. On the
+        2-core CI box, 4096 completions in one poll: 4.3 µs each through
+        `_apply`, 1.1 µs each here. Its numpy calls have a fixed cost, so small
+        drains keep the scalar path (engine.BATCH_APPLY_MIN).
+        """
+        pos = pos.astype(np.intp, copy=False)
+        live = op.page_status[pos] == st.PENDING  # pages failed by a worker death stay failed
+        if not live.all():
+            pos, codes, io_ns, errs, seqs = pos[live], codes[live], io_ns[live], errs[live], \
+                seqs[live]
+        n = len(pos)
+        if not n:
+            return
+        self._reserved[op.host_pages[pos]] = False
+        np.subtract.at(self._pins, op.pin_slots[pos], np.uint64(1))
+        if op.kind == WRITE:
+            self._write_pages -= n
+        op.landed_seq[pos] = seqs
+        np.add.at(self._counts[op.kind], codes, 1)
+        ok = codes == st.OK
+        digests = op.digests
+        if op.kind == WRITE and ok.any():
+            add = self.index.add
+            for p in pos[ok].tolist():
+                add(digests[p])
+        if not ok.all():
+            bad = ~ok
+            if op.kind == READ:
+                discard = self.index.discard  # the index was stale: heal it
+                for p in pos[bad & _IS_READ_MISS[codes]].tolist():
+                    discard(digests[p])
+            for code, err in set(zip(codes[bad].tolist(), errs[bad].tolist())):
+                self._log_cause(op.kind, code, err)
+        if op._complete_many(pos, codes, int(io_ns.sum()), now_ns):
+            self._retire(op, now_ns)
+
+    def _retire(self, op: Op, now_ns: int) -> None:
+        self._ops.pop(op.id, None)
+        self._in_flight[op.kind] -= 1
+        if self._in_flight[op.kind] == 0:
+            self._busy_ns[op.kind] += now_ns - self._busy_since[op.kind]
 
     def _log_cause(self, kind: str, code: int, err: int) -> None:
         """One log line per distinct cause, not one per page."""

@@ -69,6 +69,30 @@ class Op:
             return True
         return False
 
+    def _complete_many(self, pos, codes, io_ns: int, now_ns: int) -> bool:
+        """`_complete` for pages known to be pending (the engine filtered them)."""
+        self.page_status[pos] = codes
+        self.landed_ns[pos] = now_ns
+        self.io_ns += io_ns
+        if not self.first_ns:
+            self.first_ns = now_ns
+        ok = int(np.count_nonzero(codes == st.OK))
+        if ok:
+            self.ok_pages += ok
+            ps, lead, n = self.page_status, self._lead, self.num_pages
+            while lead < n:  # in chunks: a long op is not rescanned to its end each time
+                gap = ps[lead:lead + 64] != st.OK
+                if gap.any():
+                    lead += int(gap.argmax())
+                    break
+                lead += len(gap)
+            self._lead = lead
+        self._remaining -= len(pos)
+        if self._remaining == 0:
+            self.done_ns = now_ns
+            return True
+        return False
+
     def _cancel(self) -> None:
         if not self._cancelled and not self.done:
             self._cancelled = True
