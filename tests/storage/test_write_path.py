@@ -127,7 +127,7 @@ def test_a_write_waits_while_another_worker_still_has_reads(store):
                 e.poll()
                 time.sleep(0.005)
             assert rop.page_status[rb] == 1, "B never did its own read"
-            time.sleep(0.2)                       # well inside WRITE_DEFER_MAX_S (0.5 s)
+            time.sleep(0.1)                       # well inside WRITE_DEFER_MAX_S (0.5 s)
             e.poll()
             assert wop.page_status[wb] == 0, "B wrote while A's read was outstanding"
         finally:
