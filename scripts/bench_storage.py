@@ -321,8 +321,9 @@ def parse_args(argv=None):
                    help="the engine's --hicache-mp-io-depth values to sweep at every worker "
                         "count, I/Os in flight per worker (default: 1 2 4; --quick: 1 2)")
     p.add_argument("--raw-threads", type=int, nargs="+", default=None,
-                   help="thread (and process) counts of the raw preadv/pwritev ceilings; the best counts "
-                        "(default: the largest --workers, and that times the largest --io-depth)")
+                   help="thread (and process) counts of the raw preadv/pwritev ceilings; the "
+                        "best counts (default: the largest --workers, and that times the "
+                        "largest --io-depth)")
     p.add_argument("--dd-streams", type=int, default=None,
                    help="parallel dd processes of the dd ceiling (default: the largest --workers)")
     p.add_argument("--no-dd", action="store_true", help="skip the dd ceilings")
