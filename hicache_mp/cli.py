@@ -73,7 +73,6 @@ import json
 import sys
 
 BACKEND_CHOICES = ("all", "none", "file", "mp")
-POLICIES = ("best_effort", "wait_complete", "timeout")
 LAYOUTS = ("page_first", "layer_first")
 
 
@@ -93,13 +92,6 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--hicache-storage-backend", choices=BACKEND_CHOICES, default="all",
                    help="'all' runs none, file, file+yield and mp one after another; a single "
                         "name runs only that backend")
-    p.add_argument("--hicache-mp-workers", type=int, default=0, metavar="N",
-                   help="mp I/O worker processes; 0 = auto (physical cores minus one for the "
-                        "scheduler)")
-    p.add_argument("--hicache-storage-prefetch-policy", choices=POLICIES, default="wait_complete",
-                   help="when a request may stop waiting for its prefetch (SGLang's meaning)")
-    p.add_argument("--prefetch-timeout-s", type=float, default=10.0,
-                   help="deadline per prefetch under the 'timeout' policy")
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
     p.add_argument("--hicache-mem-layout", choices=LAYOUTS, default="page_first",
                    help="host pool layout")
@@ -128,7 +120,7 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
                         "before a request's first prefill chunk (file and mp runs): auto = "
                         "when CUDA is available; on = also on the CPU fallback; off = never")
     from hicache_mp.config import add_engine_flags
-    add_engine_flags(p)  # --hicache-mp-direct-io, --hicache-mp-fsync, capacity, backup budget
+    add_engine_flags(p)  # every EngineConfig setting that declares a flag (hicache_mp.config)
     p.set_defaults(func=cmd_bench)
     return p
 
@@ -214,14 +206,16 @@ def bench_config(args):
         runs, yield_ms = (backend,), 0.0
     if args.num_requests < 1:
         raise SystemExit("--num-requests must be at least 1")
+    options = engine_options(args)
+    # BenchConfig keeps these three apart: they name its runs in the report.
+    workers, policy = options.pop("num_workers"), options.pop("prefetch_policy")
+    timeout_s = options.pop("prefetch_timeout_s")
     return BenchConfig(runs=tuple(runs), num_requests=args.num_requests, seed=args.seed,
                        quick=args.quick, page_size=args.page_size, layout=args.hicache_mem_layout,
-                       workers=args.hicache_mp_workers,
-                       policy=args.hicache_storage_prefetch_policy,
-                       timeout_s=args.prefetch_timeout_s, yield_ms=yield_ms,
+                       workers=workers, policy=policy, timeout_s=timeout_s, yield_ms=yield_ms,
                        storage_dir=args.storage_dir, host_pool_pages=args.host_pool_pages,
                        verify=not args.no_verify, device_load=args.device_load,
-                       engine_options=engine_options(args))  # storage flags, every engine
+                       engine_options=options)  # the other engine flags, every engine
 
 
 def cmd_bench(args, argv=None) -> int:

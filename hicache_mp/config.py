@@ -1,9 +1,18 @@
-"""EngineConfig: every knob of an engine, with defaults a server can start with.
+"""EngineConfig: every knob of an engine, each declared once.
 
-Owns defaults and their checks. Must not start anything.
+Owns the settings registry: every EngineConfig field carries, in its one
+declaration, its type (the annotation), default, bounds, help text, command-line
+flag and whether SGLang's extra config may set it. `add_engine_flags` /
+`engine_options` (the CLI) and `sglang_keys` / `sglang_options` (the SGLang
+adapter) are derived from those declarations, so a new setting is one field.
+Values are parsed strictly in one place (`parse_value`): booleans only from
+true/false/1/0/yes/no/on/off, sizes from "500G"-style strings. Must not start
+anything.
 """
+import argparse
+import math
 import os
-from dataclasses import dataclass, field, asdict
+from dataclasses import MISSING, dataclass, field, fields
 
 from workers.control import MAX_WORKERS
 
@@ -15,6 +24,9 @@ DIRECT_IO_MODES = ("auto", "on", "off")
 BACKENDS = ("mp", "file")
 MAX_RING_CAPACITY = 1 << 20  # records (64 MiB per ring): beyond this a size is a mistake
 
+TRUE_WORDS = frozenset({"true", "1", "yes", "on"})
+FALSE_WORDS = frozenset({"false", "0", "no", "off"})
+
 
 def auto_workers() -> int:
     """Physical cores minus one for the scheduler, at least one."""
@@ -23,72 +35,121 @@ def auto_workers() -> int:
     return max(1, cores - 1)
 
 
+@dataclass(frozen=True)
+class Setting:
+    """What a field's declaration says beyond its type and default."""
+    help: str
+    flag: str | None = None        # command-line flag (add_engine_flags), or none
+    sglang: bool = False           # settable from SGLang's extra config under the field's name
+    size: bool = False             # an int of bytes that may be given as "500G"
+    choices: tuple | None = None
+    lo: float | None = None        # lowest allowed value (inclusive unless lo_open)
+    lo_open: bool = False
+    hi: float | None = None        # highest allowed value (inclusive)
+    finite: bool = True            # float('inf') refused
+    metavar: str | None = None
+
+
+def setting(default=MISSING, help: str = "", **kw):
+    """A dataclass field declared as a setting (see Setting for `kw`)."""
+    return field(default=default, metadata={"setting": Setting(help=help, **kw)})
+
+
+# --- help texts long enough to be kept apart from their fields ----------------------
+FSYNC_HELP = ("when a backed-up page is made durable. 'none': the page is renamed into place "
+              "and left to the kernel's writeback; a power loss or kernel crash can lose recent "
+              "pages, which are then later cache misses (never wrong bytes: every file is "
+              "checked on read); writes run at the device's speed. 'data': fdatasync before the "
+              "rename, so a page that is there after a crash holds its bytes; costs one device "
+              "cache flush per page, which can make backups much slower. 'always': fsync, data "
+              "and metadata; the slowest, rarely worth it for a cache")
+DIRECT_IO_HELP = ("O_DIRECT page reads and writes: the device moves bytes straight to and from "
+                  "the host pool, with no page-cache copy and no page-cache pollution. 'auto': "
+                  "used when --storage-max-bytes is larger than physical memory (the store "
+                  "outgrows the page cache, so reads are mostly cold), the store's filesystem "
+                  "accepts it (probed at start; tmpfs before Linux 6.6, ramfs, many overlay/FUSE "
+                  "mounts refuse) and the page runs are 4096-byte aligned; else buffered I/O, "
+                  "said once in the log: the hot prefixes a server re-reads then come from the "
+                  "page cache, far faster than any disk. 'on': O_DIRECT whatever the store's "
+                  "size, and an error at start if the filesystem or geometry cannot do it. "
+                  "'off': buffered I/O always")
+IO_DEPTH_HELP = ("page I/Os each worker keeps in flight (threads inside the worker process; "
+                 "preadv/pwritev release the GIL); reads stay first and at most one write per "
+                 "worker runs beside them. 0 = auto: 2 with O_DIRECT, where the device's queue "
+                 "is the limit (H200 box: write-through 1.2-1.3x at 15 workers), 1 with buffered "
+                 "I/O, where each I/O is a page-cache copy on a core and more threads than cores "
+                 "only contend. Total depth is workers x this")
+BACKUP_BUDGET_HELP = ("host pages that backups may hold at once (0 = the whole host pool; a "
+                      "serving engine should keep room for prefetches, e.g. half the pool); "
+                      "pages of a backup beyond it are dropped at once with status 'dropped', "
+                      "never queued, so backup() never stalls")
+
+
 @dataclass
 class EngineConfig:
-    storage_dir: str
-    num_workers: int = 0                 # 0: auto (physical cores - 1)
-    host_pool_pages: int = 1024
-    prefetch_policy: str = "best_effort"
-    prefetch_timeout_s: float = 10.0     # for the "timeout" policy
-    model_name: str = "default"
-    tp_rank: int = 0
-    tp_size: int = 1
-    namespace_extra: str = ""            # e.g. SGLang's PP/CP suffixes
-    ring_capacity: int = 0               # 0: auto from pool pages per worker
-    worker_batch: int = 16               # records a worker takes per wake-up (cf. prefetch_factor)
-    pin_workers: bool = False
-    populate: bool = True                # MAP_POPULATE the pool in workers
-    write_checksum: bool = False         # store a payload crc32 on backup
-    verify_checksum: bool = True         # check it on read when present
-    quarantine_bad_files: bool = False   # move corrupt/foreign/wrong-key files to <store>/quarantine
-    fsync: str = "none"                  # none | data | always
-    direct_io: str = "auto"              # auto | on | off: O_DIRECT page I/O (workers.directio)
-    backup_budget_pages: int = 0         # host pages backups may hold at once; 0: the whole pool
-    reads_per_write: int = 8             # a worker serves reads first; after this many in a row, one write
-    io_depth: int = 0                    # page I/Os in flight per worker; 0: auto (resolved_io_depth)
-    storage_max_bytes: int = 0           # >0: evict LRU pages to keep the store under this
-    storage_min_free_bytes: int = 0      # >0: evict LRU pages to keep this much free on its filesystem
-    eviction_interval_s: float = 10.0    # evictor pass at least this often (also when a limit nears)
-    rescan_interval_s: float = 0.0       # >0: rescan the store for other engines' pages
-    worker_start_timeout_s: float = 60.0
-    extra: dict = field(default_factory=dict)
+    storage_dir: str = setting(help="page store directory", sglang=True)
+    num_workers: int = setting(
+        0, "I/O worker processes; 0 = auto (physical cores minus one for the scheduler)",
+        flag="--hicache-mp-workers", sglang=True, lo=0, hi=MAX_WORKERS, metavar="N")
+    host_pool_pages: int = setting(1024, "host pool slots", lo=1)
+    prefetch_policy: str = setting(
+        "wait_complete", "when a request may stop waiting for its prefetch (SGLang's meaning): "
+        "op.ready() is true at once (best_effort), when the op is done (wait_complete), or at "
+        "its deadline (timeout)", flag="--hicache-storage-prefetch-policy", choices=POLICIES)
+    prefetch_timeout_s: float = setting(
+        10.0, "deadline per prefetch under the 'timeout' policy (inf: none)",
+        flag="--prefetch-timeout-s", lo=0, finite=False)
+    model_name: str = setting("default", "model name in the key namespace")
+    tp_rank: int = setting(0, "tensor-parallel rank in the key namespace", lo=0)
+    tp_size: int = setting(1, "tensor-parallel size in the key namespace", lo=1)
+    namespace_extra: str = setting("", "more of the key namespace, e.g. SGLang's PP/CP suffixes")
+    ring_capacity: int = setting(0, "records per ring; 0 = auto from pool pages per worker",
+                                 lo=0, hi=MAX_RING_CAPACITY)
+    worker_batch: int = setting(16, "records a worker takes per wake-up (cf. prefetch_factor)",
+                                lo=1)
+    pin_workers: bool = setting(False, "keep workers off the scheduler's core and its "
+                                "hyperthread siblings", sglang=True)
+    populate: bool = setting(True, "MAP_POPULATE the pool in workers")
+    write_checksum: bool = setting(False, "store a payload crc32 on backup", sglang=True)
+    verify_checksum: bool = setting(True, "check the payload crc32 on read when present",
+                                    sglang=True)
+    quarantine_bad_files: bool = setting(
+        False, "move corrupt/foreign/wrong-key files to <store>/quarantine", sglang=True)
+    fsync: str = setting("none", FSYNC_HELP, flag="--hicache-mp-fsync", sglang=True,
+                         choices=FSYNC_MODES)
+    direct_io: str = setting("auto", DIRECT_IO_HELP, flag="--hicache-mp-direct-io", sglang=True,
+                             choices=DIRECT_IO_MODES)
+    backup_budget_pages: int = setting(0, BACKUP_BUDGET_HELP,
+                                       flag="--hicache-mp-backup-budget-pages", sglang=True,
+                                       lo=0, metavar="N")
+    reads_per_write: int = setting(8, "a worker serves reads first; after this many in a row, "
+                                   "one write", sglang=True, lo=1)
+    io_depth: int = setting(0, IO_DEPTH_HELP, flag="--hicache-mp-io-depth", sglang=True, lo=0,
+                            hi=MAX_IO_DEPTH, metavar="N")
+    storage_max_bytes: int = setting(
+        0, "keep the page store under this size (suffixes K, M, G, T, powers of 1024); least "
+        "recently read pages are evicted by a separate process, and writes that would cross it "
+        "are dropped. 0 = no limit", flag="--storage-max-bytes", sglang=True, size=True, lo=0,
+        metavar="BYTES")
+    storage_min_free_bytes: int = setting(
+        0, "keep at least this much free on the store's filesystem, by the same eviction "
+        "(suffixes as above). 0 = no floor", flag="--storage-min-free-bytes", sglang=True,
+        size=True, lo=0, metavar="BYTES")
+    eviction_interval_s: float = setting(10.0, "evictor pass at least this often (also when a "
+                                         "limit nears)", sglang=True, lo=0, lo_open=True)
+    rescan_interval_s: float = setting(0.0, ">0: rescan the store for other engines' pages this "
+                                       "often", sglang=True, lo=0)
+    worker_start_timeout_s: float = setting(60.0, "how long a worker may take to start", lo=0,
+                                            lo_open=True)
 
     def __post_init__(self):
         if not self.storage_dir:
             raise ValueError("EngineConfig.storage_dir is required")
+        # Every value is parsed and bounded here, before any segment or worker
+        # exists (the host pool's size is checked against /dev/shm when it is created).
+        for f in settings(type(self)):
+            setattr(self, f.name, parse_value(f, getattr(self, f.name)))
         self.storage_dir = os.path.abspath(os.path.expanduser(self.storage_dir))
-        # Absurd sizes are refused here, before any segment or worker exists
-        # (the host pool's size is checked against /dev/shm when it is created).
-        if not _is_int(self.num_workers) or not 0 <= self.num_workers <= MAX_WORKERS:
-            raise ValueError(f"num_workers must be in [0, {MAX_WORKERS}] (0 = auto), "
-                             f"got {self.num_workers!r}")
-        if not _is_int(self.host_pool_pages) or self.host_pool_pages <= 0:
-            raise ValueError(f"host_pool_pages must be a positive int, got {self.host_pool_pages!r}")
-        if not _is_int(self.ring_capacity) or not 0 <= self.ring_capacity <= MAX_RING_CAPACITY:
-            raise ValueError(f"ring_capacity must be in [0, {MAX_RING_CAPACITY}] (0 = auto), "
-                             f"got {self.ring_capacity!r}")
-        for name in ("backup_budget_pages", "storage_max_bytes", "storage_min_free_bytes"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
-                raise ValueError(f"{name} must be an int >= 0 (0 = {'auto' if name.startswith('backup') else 'off'}), "
-                                 f"got {getattr(self, name)!r}")
-        if not _is_int(self.io_depth) or not 0 <= self.io_depth <= MAX_IO_DEPTH:
-            raise ValueError(f"io_depth must be an int in [0, {MAX_IO_DEPTH}] (0 = auto), "
-                             f"got {self.io_depth!r}")
-        if not _is_int(self.reads_per_write) or self.reads_per_write < 1:
-            raise ValueError(f"reads_per_write must be a positive int, got {self.reads_per_write!r}")
-        if not self.eviction_interval_s > 0:
-            raise ValueError(f"eviction_interval_s must be > 0, got {self.eviction_interval_s!r}")
-        if self.direct_io not in DIRECT_IO_MODES:
-            raise ValueError(f"direct_io must be one of {DIRECT_IO_MODES}, got {self.direct_io!r}")
-        for name in ("prefetch_timeout_s", "rescan_interval_s"):
-            if not getattr(self, name) >= 0:  # also refuses NaN
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if self.prefetch_policy not in POLICIES:
-            raise ValueError(f"prefetch_policy must be one of {POLICIES}, got {self.prefetch_policy!r}")
-        if self.fsync not in FSYNC_MODES:
-            raise ValueError(f"fsync must be one of {FSYNC_MODES}, got {self.fsync!r}")
-        if self.worker_batch <= 0:
-            raise ValueError("worker_batch must be positive")
 
     def resolved_workers(self) -> int:
         return self.num_workers or auto_workers()
@@ -120,107 +181,90 @@ class EngineConfig:
     def capacity_limited(self) -> bool:
         return bool(self.storage_max_bytes or self.storage_min_free_bytes)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+
+# --- the registry's readers ---------------------------------------------------------
+def settings(cls=None) -> list:
+    """The dataclass fields of `cls` (default: EngineConfig, looked up at call
+    time) declared with `setting()`."""
+    return [f for f in fields(cls or EngineConfig) if "setting" in f.metadata]
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def parse_value(f, value):
+    """`value` for field `f`, parsed strictly and checked against its bounds.
+
+    Strings are accepted for every type (flags, JSON written by hand); a bad
+    value is a ValueError that names the field.
+    """
+    s: Setting = f.metadata["setting"]
+    name, kind = f.name, _kind(f)
+    try:
+        if kind is bool:
+            value = parse_bool(value)
+        elif kind is int:
+            value = _parse_int(value, s.size)
+        elif kind is float:
+            value = _parse_float(value)
+        elif kind is str:
+            if not isinstance(value, str):
+                raise ValueError(f"expected a string, got {value!r}")
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+    if s.choices is not None and value not in s.choices:
+        raise ValueError(f"{name} must be one of {s.choices}, got {value!r}")
+    if kind in (int, float):
+        if kind is float and s.finite and math.isinf(value):
+            raise ValueError(f"{name} must be finite, got {value!r}")
+        if s.lo is not None and not (value > s.lo if s.lo_open else value >= s.lo):  # NaN fails
+            raise ValueError(f"{name} must be {'>' if s.lo_open else '>='} {s.lo:g}"
+                             f"{'' if s.hi is None else f' and <= {s.hi:g}'}, got {value!r}")
+        if s.hi is not None and not value <= s.hi:
+            raise ValueError(f"{name} must be <= {s.hi:g}, got {value!r}")
+        if math.isnan(value):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+    return value
 
 
-# --- engine flags --------------------------------------------------------------
-# One place for the storage flags that map onto EngineConfig fields, shared by
-# `hicache-mp bench` and scripts/bench_storage.py.
-FSYNC_HELP = ("when a backed-up page is made durable. 'none': the page is renamed into place "
-              "and left to the kernel's writeback; a power loss or kernel crash can lose recent "
-              "pages, which are then later cache misses (never wrong bytes: every file is "
-              "checked on read); writes run at the device's speed. 'data': fdatasync before the "
-              "rename, so a page that is there after a crash holds its bytes; costs one device "
-              "cache flush per page, which can make backups much slower. 'always': fsync, data "
-              "and metadata; the slowest, rarely worth it for a cache")
-DIRECT_IO_HELP = ("O_DIRECT page reads and writes: the device moves bytes straight to and from "
-                  "the host pool, with no page-cache copy and no page-cache pollution. 'auto': "
-                  "used when --storage-max-bytes is larger than physical memory (the store "
-                  "outgrows the page cache, so reads are mostly cold), the store's filesystem "
-                  "accepts it (probed at start; tmpfs before Linux 6.6, ramfs, many overlay/FUSE "
-                  "mounts refuse) and the page runs are 4096-byte aligned; else buffered I/O, "
-                  "said once in the log: the hot prefixes a server re-reads then come from the "
-                  "page cache, far faster than any disk. 'on': O_DIRECT whatever the store's "
-                  "size, and an error at start if the filesystem or geometry cannot do it. "
-                  "'off': buffered I/O always")
+def parse_bool(value) -> bool:
+    """True/False from a bool, 0/1, or true/false/1/0/yes/no/on/off (any case)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in TRUE_WORDS:
+            return True
+        if word in FALSE_WORDS:
+            return False
+    raise ValueError(f"expected a boolean (true/false, 1/0, yes/no, on/off), got {value!r}")
 
 
-IO_DEPTH_HELP = ("page I/Os each worker keeps in flight (threads inside the worker process; "
-                 "preadv/pwritev release the GIL); reads stay first and at most one write per "
-                 "worker runs beside them. 0 = auto: 2 with O_DIRECT, where the device's queue "
-                 "is the limit (H200 box: write-through 1.2-1.3x at 15 workers), 1 with buffered "
-                 "I/O, where each I/O is a page-cache copy on a core and more threads than cores "
-                 "only contend. Total depth is workers x this")
+def _parse_int(value, size: bool) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        if size:
+            return parse_size(value)
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise ValueError(f"expected an integer{' or a size such as 500G' if size else ''}, "
+                     f"got {value!r}")
 
 
-def add_engine_flags(parser) -> None:
-    """The storage flags (--hicache-mp-direct-io, --hicache-mp-fsync, capacity) on `parser`."""
-    parser.add_argument("--hicache-mp-direct-io", choices=DIRECT_IO_MODES, default="auto",
-                        help=DIRECT_IO_HELP)
-    parser.add_argument("--hicache-mp-io-depth", type=int, default=0, metavar="N",
-                        help=IO_DEPTH_HELP)
-    parser.add_argument("--hicache-mp-fsync", choices=FSYNC_MODES, default="none", help=FSYNC_HELP)
-    parser.add_argument("--hicache-mp-backup-budget-pages", type=int, default=0, metavar="N",
-                        help="host pages that backups may hold at once (0 = the whole host pool; a serving engine should keep room for prefetches, e.g. half the pool); "
-                             "pages of a backup beyond it are dropped at once with status "
-                             "'dropped', never queued, so backup() never stalls")
-    parser.add_argument("--storage-max-bytes", type=_size, default=0, metavar="BYTES",
-                        help="keep the page store under this size (suffixes K, M, G, T, powers "
-                             "of 1024); least recently read pages are evicted by a separate "
-                             "process, and writes that would cross it are dropped. 0 = no limit")
-    parser.add_argument("--storage-min-free-bytes", type=_size, default=0, metavar="BYTES",
-                        help="keep at least this much free on the store's filesystem, by the "
-                             "same eviction (suffixes as above). 0 = no floor")
-
-
-def engine_options(args) -> dict:
-    """EngineConfig keyword arguments from flags added by `add_engine_flags`."""
-    return {"direct_io": args.hicache_mp_direct_io, "fsync": args.hicache_mp_fsync,
-            "io_depth": args.hicache_mp_io_depth,
-            "backup_budget_pages": args.hicache_mp_backup_budget_pages,
-            "storage_max_bytes": args.storage_max_bytes,
-            "storage_min_free_bytes": args.storage_min_free_bytes}
+def _parse_float(value) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            pass
+    raise ValueError(f"expected a number, got {value!r}")
 
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-# EngineConfig fields a server's own configuration may set by name (SGLang's
-# extra-config, hicache_mp.integrations.sglang): the storage behaviour of
-# add_engine_flags, plus the knobs behind it.
-STORAGE_KEYS = ("direct_io", "io_depth", "fsync", "backup_budget_pages", "storage_max_bytes",
-                "storage_min_free_bytes", "reads_per_write", "eviction_interval_s",
-                "quarantine_bad_files")
-_SIZE_KEYS = ("storage_max_bytes", "storage_min_free_bytes")
-
-
-def storage_options_from(mapping: dict) -> dict:
-    """EngineConfig keyword arguments for the STORAGE_KEYS present in `mapping`.
-
-    Sizes may be strings with suffixes ("500G"); every value is then checked
-    by EngineConfig itself, so a bad one is a ValueError naming the field
-    before any worker starts.
-    """
-    out = {}
-    for key in STORAGE_KEYS:
-        if key in mapping:
-            value = mapping[key]
-            out[key] = parse_size(value) if key in _SIZE_KEYS and isinstance(value, str) else value
-    return out
-
-
-def _size(text: str) -> int:
-    """argparse type for sizes: parse_size with argparse's error."""
-    import argparse
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_size(text: str) -> int:
@@ -228,9 +272,63 @@ def parse_size(text: str) -> int:
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     unit = t[-1:] if t[-1:] in _SUFFIX and t[-1:] else ""
     try:
-        value = int(float(t[:-1] if unit else t) * _SUFFIX[unit])
+        value = float(t[:-1] if unit else t) * _SUFFIX[unit]
+        if not math.isfinite(value):
+            raise ValueError
     except ValueError:
         raise ValueError(f"not a size: {text!r} (e.g. 500G, 1T, 1048576)") from None
     if value < 0:
         raise ValueError(f"a size must be >= 0, got {text!r}")
-    return value
+    return int(value)
+
+
+# --- front ends: the command line and SGLang's extra config ---------------------------
+def add_engine_flags(parser, cls=None) -> None:
+    """Every setting of `cls` that declares a flag, with its help and default."""
+    for f in settings(cls):
+        s = f.metadata["setting"]
+        if s.flag is None:
+            continue
+        parser.add_argument(s.flag, dest=f.name, default=f.default, help=s.help,
+                            choices=s.choices, metavar=s.metavar or _metavar(f),
+                            type=_flag_type(f))
+
+
+def engine_options(args, cls=None) -> dict:
+    """EngineConfig keyword arguments from flags added by `add_engine_flags`."""
+    return {f.name: getattr(args, f.name) for f in settings(cls)
+            if f.metadata["setting"].flag is not None}
+
+
+def sglang_keys(cls=None) -> frozenset:
+    """The extra-config keys SGLang's adapter passes to the engine."""
+    return frozenset(f.name for f in settings(cls) if f.metadata["setting"].sglang)
+
+
+def sglang_options(mapping: dict, cls=None) -> dict:
+    """EngineConfig keyword arguments for the SGLang keys present in `mapping`
+    (parsed by EngineConfig itself, so a bad value names its key)."""
+    keys = sglang_keys(cls)
+    return {k: v for k, v in mapping.items() if k in keys}
+
+
+def _kind(f):
+    """The field's type, also where annotations are strings (PEP 563 modules)."""
+    return _TYPES.get(f.type, f.type) if isinstance(f.type, str) else f.type
+
+
+_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+def _metavar(f):
+    return "{true,false}" if _kind(f) is bool else None
+
+
+def _flag_type(f):
+    def parse(text):
+        try:
+            return parse_value(f, text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    parse.__name__ = _kind(f).__name__  # argparse names the type in its errors
+    return parse

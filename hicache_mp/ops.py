@@ -11,6 +11,8 @@ import numpy as np
 from workers import status as st
 
 READ, WRITE = "read", "write"
+NO_DEADLINE_S = 1e9             # a timeout this long (or inf) is no timeout
+NO_DEADLINE_NS = 1 << 62
 
 
 class Op:
@@ -31,7 +33,8 @@ class Op:
         self.worker_of = None
         self.policy = policy
         self.submit_ns = time.perf_counter_ns()
-        self.deadline = self.submit_ns + int(timeout_s * 1e9)
+        self.deadline = self.submit_ns + int(timeout_s * 1e9) if timeout_s < NO_DEADLINE_S \
+            else NO_DEADLINE_NS
         self._lead = 0
         self._remaining = self.num_pages
         self._cancelled = False

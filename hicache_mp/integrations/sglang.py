@@ -38,7 +38,9 @@ suffixes. Tested with SGLang 0.5.23 (`.ci/sglang-requirements.txt`).
 from __future__ import annotations
 
 import logging
+import math
 import os
+from dataclasses import dataclass
 import threading
 import time
 
@@ -61,7 +63,8 @@ from workers import naming
 from workers import status as st
 from workers.storedir import fanout_dirs
 
-from ..config import STORAGE_KEYS, EngineConfig, storage_options_from
+from .. import config
+from ..config import EngineConfig, parse_value, setting, settings, sglang_keys, sglang_options
 from ..engine import PrefetchEngine
 from ..ops import Op
 from .sglang_layouts import flat_page_view, host_page_view
@@ -72,15 +75,26 @@ log = logging.getLogger("hicache_mp.sglang")
 ZERO_COPY_LAYOUTS = ("layer_first", "page_first_direct")
 DEFAULT_STORAGE_DIR = "/tmp/hicache_mp"
 DEFAULT_STAGING_PAGES = 256  # two of SGLang's STORAGE_BATCH_SIZE (128) batches in flight
-# Every extra-config key anyone reads: SGLang's dynamic loader and allocator
-# switches, this adapter's own, and the engine's storage keys.
-KNOWN_KEYS = frozenset({
+# Extra-config keys SGLang itself reads (its dynamic loader and allocator switches).
+SGLANG_OWN_KEYS = frozenset({
     "backend_name", "module_path", "class_name", "interface_v1", "allocator",
     "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
-    "hicache_storage_pass_prefix_keys", "tp_lcm_size",
-    "storage_dir", "file_storage_path", "num_workers", "staging_pages", "io_timeout_s",
-    "write_checksum", "verify_checksum", "pin_workers", "rescan_interval_s", "zero_copy",
-    *STORAGE_KEYS})
+    "hicache_storage_pass_prefix_keys", "tp_lcm_size", "file_storage_path"})
+
+
+@dataclass
+class AdapterConfig:
+    """This adapter's own extra-config keys, declared as the engine's are (hicache_mp.config)."""
+    staging_pages: int = setting(DEFAULT_STAGING_PAGES, "staging pool size on the non-zero-copy "
+                                 "path", sglang=True, lo=1)
+    io_timeout_s: float = setting(math.inf, "give up on a batch after this long: its "
+                                  "unfinished pages are reported False", sglang=True, lo=0,
+                                  lo_open=True, finite=False)
+    zero_copy: bool = setting(True, "false forces the staging path", sglang=True)
+
+    def __post_init__(self):
+        for f in settings(type(self)):
+            setattr(self, f.name, parse_value(f, getattr(self, f.name)))
 HOW_TO_ZERO_COPY = ('For zero-copy start SGLang with "allocator":"shm" in '
                     '--hicache-storage-backend-extra-config (SGLang >= 0.5.17) and '
                     '--hicache-mem-layout layer_first or page_first_direct')
@@ -179,13 +193,12 @@ class HiCacheMP(HiCacheStorage):
 
     Extra-config keys (all optional): `storage_dir` (else `file_storage_path`,
     else $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else /tmp/hicache_mp),
-    `num_workers` (0 = auto), `staging_pages`, `io_timeout_s`, `fsync`,
-    `write_checksum`, `verify_checksum`, `pin_workers`, `rescan_interval_s`,
-    `zero_copy` (false forces the staging path), and the storage keys of
-    hicache_mp.config.STORAGE_KEYS (`direct_io`, `io_depth`,
-    `storage_max_bytes` ("500G" or bytes), `storage_min_free_bytes`,
-    `backup_budget_pages`, ...). A key nobody reads is logged once: a typo
-    must not silently leave the disk without its limit.
+    `staging_pages`, `io_timeout_s`, `zero_copy` (false forces the staging
+    path), and every EngineConfig setting declared with `sglang=True`
+    (hicache_mp.config: `num_workers`, `direct_io`, `fsync`, `write_checksum`,
+    `storage_max_bytes` ("500G" or bytes), ...), parsed strictly by
+    EngineConfig. A key nobody reads is logged once: a typo must not silently
+    leave the disk without its limit.
     """
 
     def __init__(self, storage_config, kwargs=None):
@@ -196,12 +209,15 @@ class HiCacheMP(HiCacheStorage):
         self.storage_dir = (self.extra.get("storage_dir") or self.extra.get("file_storage_path")
                             or os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR")
                             or DEFAULT_STORAGE_DIR)
-        self.io_timeout_s = self.extra.get("io_timeout_s")
-        unknown = sorted(set(self.extra) - KNOWN_KEYS)
+        self.own = AdapterConfig(**{k: v for k, v in self.extra.items()
+                                    if k in sglang_keys(AdapterConfig) and v is not None})
+        self.io_timeout_s = None if math.isinf(self.own.io_timeout_s) else self.own.io_timeout_s
+        known = self.known_keys()
+        unknown = sorted(set(self.extra) - known)
         if unknown:
             log.warning("hicache_mp: extra-config key(s) %s are not used by hicache_mp or by "
                         "SGLang's dynamic backend loader (known: %s)", unknown,
-                        ", ".join(sorted(KNOWN_KEYS)))
+                        ", ".join(sorted(known)))
         self.mem_pool_host = None
         self.engine: PrefetchEngine | None = None
         self.zero_copy = False
@@ -220,7 +236,7 @@ class HiCacheMP(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         self.close()  # a re-attach replaces the engine
         g, why = zero_copy_plan(mem_pool_host, self.is_mla)
-        if g is not None and self.extra.get("zero_copy", True) is False:
+        if g is not None and not self.own.zero_copy:
             g, why = None, '"zero_copy": false in the extra-config'
         if g is not None:
             self.engine = PrefetchEngine(self._config(int(mem_pool_host.page_num)), g,
@@ -232,7 +248,7 @@ class HiCacheMP(HiCacheStorage):
             return
         self.fallback_reason = why
         self.geometry = pool_geometry(mem_pool_host, self.is_mla)
-        pages = int(self.extra.get("staging_pages", DEFAULT_STAGING_PAGES))
+        pages = self.own.staging_pages
         self._staging = _Staging(PrefetchEngine(self._config(pages), self.geometry))
         self.engine = self._staging.engine
         log.warning("hicache_mp: not zero-copy: %s; pages are staged through an engine-owned "
@@ -253,18 +269,19 @@ class HiCacheMP(HiCacheStorage):
             f"interface), not the v2 interface such pools need. Use another storage backend "
             f"for this model")
 
+    @classmethod
+    def known_keys(cls) -> frozenset:
+        """Every extra-config key anyone reads."""
+        return SGLANG_OWN_KEYS | sglang_keys(AdapterConfig) | sglang_keys()
+
     def _config(self, pages: int) -> EngineConfig:
-        x = self.extra
-        mla_shared = self.is_mla and self.shard.tp_size > 1
-        return EngineConfig(
-            storage_dir=self.storage_dir, num_workers=int(x.get("num_workers", 0)),
-            host_pool_pages=pages, pin_workers=bool(x.get("pin_workers", False)),
-            write_checksum=bool(x.get("write_checksum", False)),
-            verify_checksum=bool(x.get("verify_checksum", True)),
+        options = sglang_options(self.extra)
+        options["storage_dir"] = self.storage_dir
+        if self.is_mla and self.shard.tp_size > 1:
             # MLA: only rank 0 writes; the other ranks find its pages by a stat on miss
             # (batch_exists) and by this periodic rescan.
-            rescan_interval_s=float(x.get("rescan_interval_s", 5.0 if mla_shared else 0.0)),
-            **storage_options_from(x), **self.shard.engine_names())
+            options.setdefault("rescan_interval_s", 5.0)
+        return config.EngineConfig(host_pool_pages=pages, **options, **self.shard.engine_names())
 
     def _need_engine(self) -> PrefetchEngine:
         if self.engine is None:
@@ -355,7 +372,7 @@ class HiCacheMP(HiCacheStorage):
                     self._warn_once("legacy", "hicache_mp: SGLang called the legacy (non-v1) API; "
                                     "set \"interface_v1\": 1 in the extra-config so pages move "
                                     "zero-copy. Staging these through a second engine.")
-                    cfg = self._config(int(self.extra.get("staging_pages", DEFAULT_STAGING_PAGES)))
+                    cfg = self._config(self.own.staging_pages)
                     cfg.num_workers = 1
                     self._staging = _Staging(PrefetchEngine(cfg, self.geometry.with_layout("page_first")))
         return self._staging
@@ -426,7 +443,7 @@ class HiCacheMP(HiCacheStorage):
         """Block (semaphore, GIL released; never a spin) until the op is done. On
         io_timeout_s, cancel, then still wait for the pages in flight: a worker may
         write a host slot until then, and SGLang reuses slots once we return."""
-        if self.io_timeout_s is not None and not eng.wait(op, float(self.io_timeout_s)):
+        if self.io_timeout_s is not None and not eng.wait(op, self.io_timeout_s):
             eng.cancel(op)
         eng.wait(op)
 
