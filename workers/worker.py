@@ -85,6 +85,12 @@ _TOUCH_MEMORY = 1 << 16  # digests remembered for that rate limit, then forgotte
 # operator's business, not proof of a bad page.
 _MOVE_ASIDE = (status.CORRUPT, status.FOREIGN, status.WRONG_KEY)
 
+# A read that finds its file gone after the open: another node removed or
+# replaced it (eviction, a newer version renamed over it). JuiceFS answers the
+# read with ENOENT or EBADF once the inode is deleted, NFS with ESTALE. The key
+# simply has no page right now: a miss, not an unreadable store.
+_GONE = (errno.ENOENT, errno.ESTALE, errno.EBADF)
+
 _WRITE_ERRNO = {
     errno.ENOSPC: status.NOSPACE, errno.EDQUOT: status.NOSPACE, errno.EFBIG: status.NOSPACE,
     errno.EACCES: status.DENIED, errno.EPERM: status.DENIED, errno.EROFS: status.DENIED,
@@ -249,14 +255,14 @@ class Worker:
         except FileNotFoundError:
             return status.MISS, 0
         except OSError as exc:
-            return status.UNREADABLE, exc.errno or 0
+            return (status.MISS if exc.errno == errno.ESTALE else status.UNREADABLE), exc.errno or 0
         try:
             want = self.file_bytes
             try:
                 got = preadv_full(fd, [lane.header, *iovecs, lane.overflow],
                                   want + len(lane.overflow), self.direct)
             except OSError as exc:
-                return status.UNREADABLE, exc.errno or 0
+                return (status.MISS if exc.errno in _GONE else status.UNREADABLE), exc.errno or 0
             code = self._check(got, want, digest, iovecs, lane.header)
             if code in _MOVE_ASIDE and self.quarantine:
                 self._move_aside(path, fd, code)  # while fd still names the file we judged

