@@ -72,8 +72,8 @@ class EngineCore:
                                           tp_rank=config.tp_rank, tp_size=config.tp_size,
                                           extra=config.namespace_extra)
         os.makedirs(config.storage_dir, mode=0o700, exist_ok=True)
-        self.index = StoreIndex(config.storage_dir)
-        self.index.scan()
+        self._index = StoreIndex(config.storage_dir)
+        self._index.scan()
         self._lock = threading.RLock()
         self._ops: dict[int, Op] = {}
         self._next_id = 1
@@ -100,10 +100,35 @@ class EngineCore:
         ns = self.namespace
         n = 0
         for key in keys:
-            if naming.key_digest(key, ns) not in self.index.digests:
+            if naming.key_digest(key, ns) not in self._index.digests:
                 break
             n += 1
         return n
+
+    def present(self, keys) -> np.ndarray:
+        """One bool per key: is its page in the store, as far as the index knows (no syscalls)."""
+        ns, have = self.namespace, self._index.digests
+        return np.array([naming.key_digest(k, ns) in have for k in keys], dtype=bool)
+
+    def mark_present(self, keys) -> None:
+        """Tell the index these keys' pages are in the store (another process wrote them)."""
+        ns = self.namespace
+        with self._lock:
+            for key in keys:
+                self._index.add(naming.key_digest(key, ns))
+
+    def forget_all(self) -> None:
+        """Empty the index (the store was cleared under it)."""
+        with self._lock:
+            self._index.digests.clear()
+
+    def indexed_pages(self) -> int:
+        """Pages the index knows of."""
+        return len(self._index)
+
+    def worker_count(self) -> int:
+        """I/O workers (processes for `mp`, threads for `file`)."""
+        return self._num_workers()
 
     def prefetch(self, keys, host_pages, *, policy: str | None = None,
                  timeout_s: float | None = None) -> Op:
@@ -161,14 +186,15 @@ class EngineCore:
         found = StoreIndex(self.config.storage_dir)
         found.scan()
         with self._lock:
-            self.index.digests |= found.digests
-            return len(self.index)
+            self._index.digests |= found.digests
+            return len(self._index)
 
     def metrics(self) -> dict:
         with self._lock:
             now = time.perf_counter_ns()
             out = {"backend": self.backend, "workers": self._num_workers(),
-                   "index_pages": len(self.index), "ops_in_flight": len(self._ops),
+                   "index_pages": len(self._index), "ops_in_flight": len(self._ops),
+                   "stale_tmp_removed": self._index.stale_tmp_removed,
                    "pages_in_flight": int(self._reserved.sum()),
                    "page_bytes": self.geometry.page_bytes, "poll_calls": self._poll_calls}
             for kind in (READ, WRITE):
@@ -296,10 +322,10 @@ class EngineCore:
         self._counts[op.kind][code] += 1
         if code == st.OK:
             if op.kind == WRITE:
-                self.index.add(op.digests[pos])
+                self._index.add(op.digests[pos])
         else:
             if op.kind == READ and code in st.READ_MISSES:
-                self.index.discard(op.digests[pos])  # the index was stale: heal it
+                self._index.discard(op.digests[pos])  # the index was stale: heal it
             self._log_cause(op.kind, code, err)
         if op._complete(pos, code, io_ns, now_ns):
             self._retire(op, now_ns)
@@ -331,13 +357,13 @@ class EngineCore:
         ok = codes == st.OK
         digests = op.digests
         if op.kind == WRITE and ok.any():
-            add = self.index.add
+            add = self._index.add
             for p in pos[ok].tolist():
                 add(digests[p])
         if not ok.all():
             bad = ~ok
             if op.kind == READ:
-                discard = self.index.discard  # the index was stale: heal it
+                discard = self._index.discard  # the index was stale: heal it
                 for p in pos[bad & _IS_READ_MISS[codes]].tolist():
                     discard(digests[p])
             for code, err in set(zip(codes[bad].tolist(), errs[bad].tolist())):

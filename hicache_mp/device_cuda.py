@@ -70,9 +70,6 @@ class DoneEvent:
     def synchronize(self) -> None:
         pass
 
-    def record(self, stream=None) -> None:
-        pass
-
 
 DONE = DoneEvent()
 

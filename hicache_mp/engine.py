@@ -218,7 +218,7 @@ class PrefetchEngine(EngineCore):
             if handle.completion.pending():  # most polls find nothing: keep them to a load each
                 n += self._drain_ring(handle.completion)
         if self.evictor is not None and self.evictor.ring.pending():
-            discard = self.index.digests.discard
+            discard = self._index.digests.discard
             for digest in self.evictor.pop()["digest"]:
                 discard(digest.tobytes())
         if time.monotonic() - self._last_health > HEALTH_CHECK_S:

@@ -129,8 +129,9 @@ def import_sglang_store(src: str, dst: str, geometry: PageGeometry, src_layout: 
         with PrefetchEngine(cfg, g) as eng:
             if not overwrite:
                 keep = []
-                for key, path in files:
-                    if naming.key_digest(key, eng.namespace) in eng.index.digests:
+                present = eng.present([key for key, _ in files])
+                for (key, path), there in zip(files, present):
+                    if there:
                         report.skip("already in the destination store", os.path.basename(path))
                     else:
                         keep.append((key, path))

@@ -49,14 +49,6 @@ class StoreIndex:
     def discard(self, digest: bytes) -> None:
         self.digests.discard(digest)
 
-    def leading(self, digests) -> int:
-        n = 0
-        for d in digests:
-            if d not in self.digests:
-                break
-            n += 1
-        return n
-
     def __len__(self) -> int:
         return len(self.digests)
 

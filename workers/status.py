@@ -1,29 +1,51 @@
 """Per-page status codes carried in completion records.
 
-Owns the numbering and the names users see. Must not hold any logic.
+Owns the numbering and the names users see (`Status(code).label`, `NAMES`).
+Must not hold any logic. The module-level names (`status.OK`, ...) are the
+enum's members, so numpy arrays of codes compare with them directly.
 """
-PENDING = 0
-OK = 1
-MISS = 2          # no file for this key
-CORRUPT = 3       # bad magic, bad header checksum, short/long file, bad payload checksum
-FOREIGN = 4       # another geometry or format version
-WRONG_KEY = 5     # the header names another key (digest collision or a misplaced file)
-UNREADABLE = 6    # open/read failed: permission, a directory in its place, EIO
-NOSPACE = 7       # write failed: ENOSPC / EDQUOT / EFBIG
-DENIED = 8        # write failed: EACCES / EPERM / EROFS
-IOERROR = 9       # write failed for another reason
-CANCELLED = 10    # skipped because its op was cancelled
-WORKER_DIED = 11  # its worker died before finishing it
-BUSY = 12         # not submitted: every ring was full (backpressure)
-DROPPED = 13      # write not attempted, by choice under pressure: over the backup budget
-                  # (errno 0) or over the store's capacity limits (errno ENOSPC)
+import enum
 
-NAMES = {
-    PENDING: "pending", OK: "ok", MISS: "miss", CORRUPT: "corrupt", FOREIGN: "foreign",
-    WRONG_KEY: "wrong_key", UNREADABLE: "unreadable", NOSPACE: "nospace", DENIED: "denied",
-    IOERROR: "ioerror", CANCELLED: "cancelled", WORKER_DIED: "worker_died", BUSY: "busy",
-    DROPPED: "dropped",
-}
+
+class Status(enum.IntEnum):
+    PENDING = 0
+    OK = 1
+    MISS = 2          # no file for this key
+    CORRUPT = 3       # bad magic, bad header checksum, short/long file, bad payload checksum
+    FOREIGN = 4       # another geometry or format version
+    WRONG_KEY = 5     # the header names another key (digest collision or a misplaced file)
+    UNREADABLE = 6    # open/read failed: permission, a directory in its place, EIO
+    NOSPACE = 7       # write failed: ENOSPC / EDQUOT / EFBIG
+    DENIED = 8        # write failed: EACCES / EPERM / EROFS
+    IOERROR = 9       # write failed for another reason
+    CANCELLED = 10    # skipped because its op was cancelled
+    WORKER_DIED = 11  # its worker died before finishing it
+    BUSY = 12         # not submitted: every ring was full (backpressure)
+    DROPPED = 13      # write not attempted, by choice under pressure: over the backup budget
+                      # (errno 0) or over the store's capacity limits (errno ENOSPC)
+
+    @property
+    def label(self) -> str:
+        """The name users see in op.status_counts() and metrics()."""
+        return self.name.lower()
+
+
+PENDING = Status.PENDING
+OK = Status.OK
+MISS = Status.MISS
+CORRUPT = Status.CORRUPT
+FOREIGN = Status.FOREIGN
+WRONG_KEY = Status.WRONG_KEY
+UNREADABLE = Status.UNREADABLE
+NOSPACE = Status.NOSPACE
+DENIED = Status.DENIED
+IOERROR = Status.IOERROR
+CANCELLED = Status.CANCELLED
+WORKER_DIED = Status.WORKER_DIED
+BUSY = Status.BUSY
+DROPPED = Status.DROPPED
+
+NAMES = {int(s): s.label for s in Status}
 
 # Statuses that mean "the file is not a usable page", counted as misses.
 READ_MISSES = (MISS, CORRUPT, FOREIGN, WRONG_KEY, UNREADABLE)

@@ -244,7 +244,7 @@ class HiCacheMP(HiCacheStorage):
             self.zero_copy, self.geometry, self.fallback_reason = True, g, ""
             log.info("hicache_mp: zero-copy into SGLang's %s host pool (%d pages of %d bytes, "
                      "%d workers, store %s)", g.layout, mem_pool_host.page_num, g.page_bytes,
-                     len(self.engine.pool), self.storage_dir)
+                     self.engine.worker_count(), self.storage_dir)
             return
         self.fallback_reason = why
         self.geometry = pool_geometry(mem_pool_host, self.is_mla)
@@ -307,7 +307,7 @@ class HiCacheMP(HiCacheStorage):
         writer rank, another server on a shared directory) may have written it."""
         digest = naming.key_digest(key, eng.namespace)
         if os.path.exists(naming.page_path(eng.config.storage_dir, digest)):
-            eng.index.add(digest)
+            eng.mark_present([key])
             with self._lock:
                 self._counts["exists_stat_hits"] += 1
             return True
@@ -334,7 +334,7 @@ class HiCacheMP(HiCacheStorage):
             return []
         pages = self._host_pages(keys, host_indices)
         eng = self.engine
-        present = [naming.key_digest(k, eng.namespace) in eng.index.digests for k in keys]
+        present = eng.present(keys)
         todo = [i for i, p in enumerate(present) if not p]
         ok = np.array(present, dtype=bool)
         t0 = time.perf_counter()
@@ -450,9 +450,7 @@ class HiCacheMP(HiCacheStorage):
     def _index_written(self, keys, ok, writer: PrefetchEngine) -> None:
         """Pages written by the legacy staging engine are known to the main one too."""
         if self.engine is not None and writer is not self.engine:
-            for key, good in zip(keys, ok):
-                if good:
-                    self.engine.index.add(naming.key_digest(key, self.engine.namespace))
+            self.engine.mark_present([key for key, good in zip(keys, ok) if good])
 
     # --- legacy API (SGLang without interface_v1) ---------------------------
     def get(self, key, target_location=None, target_sizes=None):
@@ -529,7 +527,7 @@ class HiCacheMP(HiCacheStorage):
                     except FileNotFoundError:
                         pass
         for eng in self._engines():
-            eng.index.digests.clear()
+            eng.forget_all()
         log.info("hicache_mp: cleared %d pages from %s", removed, root)
         return True
 

@@ -55,7 +55,7 @@ def test_scans_reap_only_temp_files_whose_writer_is_gone(store):
     os.utime(os.path.join(leaf, names["other_host_old"]), (two_hours_ago, two_hours_ago))
     with make(store, pages=4, workers=1) as e:
         left = set(os.listdir(leaf))
-        assert e.index.stale_tmp_removed == 3
+        assert e.metrics()["stale_tmp_removed"] == 3
     assert left == {names["live"], names["other_host"]}
 
 
