@@ -13,11 +13,16 @@ __all__ = ["PrefetchEngine", "EngineConfig", "PageGeometry", "Op", "make_engine"
 __version__ = "0.1.0"
 
 
-def make_engine(backend: str, config: EngineConfig, geometry: PageGeometry):
-    """`mp` (this engine) or `file` (the in-process threaded baseline)."""
+def make_engine(backend: str, config: EngineConfig, geometry: PageGeometry, **options):
+    """`mp` (this engine), or an in-process threaded baseline: `file` (SGLang's
+    file backend) or `fast_file` (SGLang PR #39880; options: read_workers,
+    write_workers)."""
     if backend == "mp":
         return PrefetchEngine(config, geometry)
     if backend == "file":
         from .baseline import ThreadedFileEngine
         return ThreadedFileEngine(config, geometry)
-    raise ValueError(f"unknown storage backend {backend!r}; choose 'mp' or 'file'")
+    if backend == "fast_file":
+        from .fast_file import FastFileEngine
+        return FastFileEngine(config, geometry, **options)
+    raise ValueError(f"unknown storage backend {backend!r}; choose 'mp', 'file' or 'fast_file'")

@@ -8,7 +8,9 @@ Owns argv parsing, progress and result printing, and writing `--json` /
 (a busy Python loop modelled on SGLang's) over it once per backend:
 `none` (all KV already in host memory: the ideal), `file` (SGLang-style
 in-process reader thread), `file+yield` (the same with the user's
-`sleep(0.001)` workaround) and `mp` (this engine). It prints SGLang's
+`sleep(0.001)` workaround), `fast_file` (a replica of SGLang PR #39880's
+readv/writev thread pools, `fast_file-r<N>` with N read threads) and `mp`
+(this engine). It prints SGLang's
 bench_long_context summary per run, then a table with ratios against `none`.
 
 JSON written by `--json PATH` (schema "hicache_mp.bench/1"; times in
@@ -21,6 +23,7 @@ seconds, rates in GB/s = 1e9 bytes/s, lengths in tokens):
                   0.1 --quick), time_scale (every duration: 1.0 full, 0.2
                   --quick), page_size, layout, dtype,
                   workers (0 = auto), policy, timeout_s, yield_ms,
+                  fast_file_write_workers,
                   storage_dir, host_pool_pages, verify, max_run_s,
                   geometry {num_layers, num_kv_heads, head_dim, page_size,
                   dtype, layout, mla}, page_bytes, max_in_flight,
@@ -30,7 +33,7 @@ seconds, rates in GB/s = 1e9 bytes/s, lengths in tokens):
     workload      num_requests, prompt_len_{mean,p90,p99},
                   output_len_{mean,p90,p99}, hit_rate (what was generated)
     warmup        pages_written, pages_present, bytes, seconds, gbps
-    runs.<label>  one per run; label is none | file | file+yield | mp
+    runs.<label>  one per run; label is none | file | file+yield | fast_file | fast_file-r<N> | mp
       backend, policy, yield_ms, duration_s, loop_iters
       summary     total_requests, prompt_len_{mean,p90,p99},
                   output_len_{mean,p90,p99},
@@ -72,8 +75,18 @@ import argparse
 import json
 import sys
 
-BACKEND_CHOICES = ("all", "none", "file", "mp")
+BACKEND_CHOICES = ("all", "none", "file", "fast_file", "mp")
 LAYOUTS = ("page_first", "layer_first")
+
+
+def _worker_counts(text: str) -> tuple:
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected counts like 1 or 1,4, got {text!r}") from None
+    if not counts or min(counts) < 1 or len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(f"counts must be distinct and >= 1, got {text!r}")
+    return counts
 
 
 def _bench_parser(sub) -> argparse.ArgumentParser:
@@ -90,8 +103,13 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
                         "duration (prefill, decode step, release interval) x0.2; a temp store "
                         "of ~250 MB. Finishes in well under 3 minutes on 2 CPU cores")
     p.add_argument("--hicache-storage-backend", choices=BACKEND_CHOICES, default="all",
-                   help="'all' runs none, file, file+yield and mp one after another; a single "
-                        "name runs only that backend")
+                   help="'all' runs none, file, file+yield, fast_file and mp one after another; "
+                        "a single name runs only that backend")
+    p.add_argument("--fast-file-read-workers", type=_worker_counts, default=(1,), metavar="N[,N..]",
+                   help="read threads of the fast_file replica (SGLang PR #39880's read_workers); "
+                        "a list runs fast_file once per count (e.g. 1,4)")
+    p.add_argument("--fast-file-write-workers", type=int, default=1, metavar="N",
+                   help="write threads of the fast_file replica (the PR's write_workers)")
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
     p.add_argument("--hicache-mem-layout", choices=LAYOUTS, default="page_first",
                    help="host pool layout")
@@ -193,17 +211,21 @@ def cmd_import_sglang(args, argv=None) -> int:
 def bench_config(args):
     """BenchConfig from parsed `bench` arguments."""
     from hicache_mp.config import engine_options
-    from hicache_mp.sim.bench import ALL_RUNS, BenchConfig
+    from hicache_mp.sim.bench import ALL_RUNS, BenchConfig, fast_file_label
     backend = args.hicache_storage_backend
+    fast_files = tuple(fast_file_label(n) for n in args.fast_file_read_workers)
+    if args.fast_file_write_workers < 1:
+        raise SystemExit("--fast-file-write-workers must be at least 1")
     if backend == "all":
-        runs = ALL_RUNS
+        runs = tuple(r for label in ALL_RUNS
+                     for r in (fast_files if label == "fast_file" else (label,)))
         yield_ms = 1.0 if args.scheduler_yield_ms is None else args.scheduler_yield_ms
     elif backend == "file" and args.scheduler_yield_ms:
         runs, yield_ms = ("file+yield",), args.scheduler_yield_ms
     else:
         if args.scheduler_yield_ms:
             raise SystemExit("--scheduler-yield-ms applies to the file backend only")
-        runs, yield_ms = (backend,), 0.0
+        runs, yield_ms = (fast_files if backend == "fast_file" else (backend,)), 0.0
     if args.num_requests < 1:
         raise SystemExit("--num-requests must be at least 1")
     options = engine_options(args)
@@ -213,6 +235,7 @@ def bench_config(args):
     return BenchConfig(runs=tuple(runs), num_requests=args.num_requests, seed=args.seed,
                        quick=args.quick, page_size=args.page_size, layout=args.hicache_mem_layout,
                        workers=workers, policy=policy, timeout_s=timeout_s, yield_ms=yield_ms,
+                       fast_file_write_workers=args.fast_file_write_workers,
                        storage_dir=args.storage_dir, host_pool_pages=args.host_pool_pages,
                        verify=not args.no_verify, device_load=args.device_load,
                        engine_options=options)  # the other engine flags, every engine
@@ -220,7 +243,7 @@ def bench_config(args):
 
 def cmd_bench(args, argv=None) -> int:
     from hicache_mp.sim.bench import Bench, table_rows
-    from hicache_mp.sim.summary import format_comparison, format_summary
+    from hicache_mp.sim.summary import format_comparison, format_summary, format_verdict
 
     if args.plot:
         try:
@@ -243,6 +266,9 @@ def cmd_bench(args, argv=None) -> int:
     base = "none" if "none" in rows else next(iter(rows))
     print(f"\nComparison (TTFT/base: mean TTFT over '{base}')")
     print(format_comparison(rows, baseline=base), flush=True)
+    verdict = format_verdict(rows)
+    if verdict:
+        print(verdict, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

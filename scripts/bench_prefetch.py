@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Prefetch throughput: `mp` engine vs the threaded `file` baseline vs the raw ceiling.
+"""Prefetch throughput: `mp` engine vs the threaded `file` and `fast_file` baselines vs the raw ceiling.
 
 Everything is measured in one run on the same page files (page cache warm):
 
@@ -9,6 +9,8 @@ Everything is measured in one run on the same page files (page cache warm):
                   in engine.wait() or runs a busy pure-Python scheduler loop
                   that calls poll() every iteration
   file idle/busy  the in-process threaded baseline under the same two loops
+  fast_file idle/busy  the replica of SGLang PR #39880 (readv into the pool,
+                  R read threads; --fast-file-read-workers) under the same loops
   loop rate       iterations/s of that busy loop with no I/O, and while mp
                   prefetches at full speed
   poll() cost     median/p99 of poll() with 24 ops in flight
@@ -238,6 +240,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--storage-dir", default=None, help="store directory (default: a temp dir, removed after)")
     ap.add_argument("--file-cap-s", type=float, default=15.0,
                     help="stop a baseline measurement after this long and report what landed (default 15)")
+    ap.add_argument("--fast-file-read-workers", type=int, nargs="+", default=[1], metavar="R",
+                    help="fast_file read thread counts to measure (default 1, as upstream)")
     ap.add_argument("--pin-workers", action="store_true",
                     help="pin mp workers off the scheduler's core and its hyperthread siblings")
     ap.add_argument("--quick", action="store_true", help="small pages and store, for a CPU smoke run")
@@ -285,6 +289,14 @@ def main(argv=None) -> dict:
             log("file baseline: busy scheduler")
             out["file_busy"] = run_prefetch(eng, keys, 1, busy=True, cap_s=args.file_cap_s)
             out["file_idle"].pop("ops"), out["file_busy"].pop("ops")
+        out["fast_file"] = {}
+        for r in args.fast_file_read_workers:
+            with make_engine("fast_file", cfg, geometry, read_workers=r) as eng:
+                log(f"fast_file baseline, {r} read threads: idle then busy scheduler")
+                idle = run_prefetch(eng, keys, 1, busy=False, cap_s=args.file_cap_s)
+                busy = run_prefetch(eng, keys, 1, busy=True, cap_s=args.file_cap_s)
+                idle.pop("ops"), busy.pop("ops")
+            out["fast_file"][r] = {"idle": idle, "busy": busy}
     finally:
         if not args.storage_dir:
             shutil.rmtree(store, ignore_errors=True)
@@ -296,6 +308,8 @@ def main(argv=None) -> dict:
         "loop_rate_during_mp_over_idle": head["mp_busy"]["loop_rate"] / head["loop_rate_idle"],
         "file_busy_over_idle": out["file_busy"]["gbps"] / out["file_idle"]["gbps"],
         "mp_busy_over_file_busy": head["mp_busy"]["gbps"] / out["file_busy"]["gbps"],
+        "mp_busy_over_fast_file_busy": {r: head["mp_busy"]["gbps"] / f["busy"]["gbps"]
+                                        for r, f in out["fast_file"].items()},
         "poll_median_us": head["poll"]["median_us"],
     }
     print_report(out, args)
@@ -319,6 +333,11 @@ def print_report(out, args) -> None:
     fi, fb = out["file_idle"], out["file_busy"]
     print(f"file baseline (1 thread): idle {fi['gbps']:.2f} GB/s, busy {fb['gbps']:.3f} GB/s"
           f"{' (capped)' if fb['capped'] else ''}")
+    for r, f in out["fast_file"].items():
+        print(f"fast_file ({r} read thread{'s' if r > 1 else ''}): idle {f['idle']['gbps']:.2f} GB/s, "
+              f"busy {f['busy']['gbps']:.3f} GB/s{' (capped)' if f['busy']['capped'] else ''}"
+              f"   [mp with {args.workers[-1]} workers: idle {out['sweep'][args.workers[-1]]['mp_idle']['gbps']:.2f}, "
+              f"busy {out['sweep'][args.workers[-1]]['mp_busy']['gbps']:.2f}]")
     print(f"scheduler loop: idle {out['sweep'][args.workers[-1]]['loop_rate_idle']:.0f} it/s, during mp prefetch "
           f"{out['sweep'][args.workers[-1]]['mp_busy']['loop_rate']:.0f} it/s")
     r = out["ratios"]
@@ -329,6 +348,8 @@ def print_report(out, args) -> None:
     print(f"poll() median, 24 ops in flight (µs)    {r['poll_median_us']:>8.1f}   <= 50")
     print(f"file busy / file idle GB/s              {r['file_busy_over_idle']:>8.3f}   (the pathology)")
     print(f"mp busy / file busy GB/s                {r['mp_busy_over_file_busy']:>8.1f}")
+    for n, ratio in r["mp_busy_over_fast_file_busy"].items():
+        print(f"mp busy / fast_file busy GB/s ({n} rd)   {ratio:>8.1f}")
 
 
 if __name__ == "__main__":

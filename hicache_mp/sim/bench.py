@@ -2,7 +2,8 @@
 
 Owns the bench configuration (full scale and `--quick`), host-pool sizing,
 the warm-up pass, one measured run per backend (`none`, `file`, `file` with
-the yield workaround, `mp`) on the same store, and the figures of each run
+the yield workaround, `fast_file` at one or more read-thread counts, `mp`) on
+the same store, and the figures of each run
 (the dicts that the CLI prints and writes as JSON). Must not parse argv
 (`hicache_mp.cli`), run the loop (`scheduler`) or format text (`summary`).
 """
@@ -36,7 +37,7 @@ QUICK_GEOMETRY = {"num_layers": 4, "num_kv_heads": 4, "head_dim": 64}    # 256 K
 # page count, not the bytes, bounds the quick run's length on 2 cores.
 QUICK_PROMPT_SCALE = 0.1
 QUICK_TIME_SCALE = 0.2
-ALL_RUNS = ("none", "file", "file+yield", "mp")
+ALL_RUNS = ("none", "file", "file+yield", "fast_file", "mp")
 SCHEMA = "hicache_mp.bench/1"
 POOL_RAM_SHARE = 0.4       # most of the host pool a run may take of free shm / RAM
 WARMUP_BATCH_BYTES = 2 << 30
@@ -44,7 +45,7 @@ WARMUP_BATCH_BYTES = 2 << 30
 
 @dataclass
 class BenchConfig:
-    runs: tuple = ALL_RUNS          # labels: none | file | file+yield | mp
+    runs: tuple = ALL_RUNS          # labels: none | file | file+yield | fast_file[/rN] | mp
     num_requests: int = 32
     seed: int = 0
     quick: bool = False
@@ -55,6 +56,7 @@ class BenchConfig:
     policy: str = "wait_complete"
     timeout_s: float = 10.0
     yield_ms: float = 1.0           # the file+yield run's sleep per loop iteration
+    fast_file_write_workers: int = 1  # fast_file runs' write threads (read threads: the label)
     storage_dir: str | None = None  # None: a temp dir, removed at the end
     host_pool_pages: int = 0        # 0: auto
     verify: bool = True
@@ -76,13 +78,23 @@ class BenchConfig:
         return p, t
 
 
-def run_spec(label: str, yield_ms: float) -> tuple[str, float]:
-    """(storage backend, yield ms) of a run label."""
+def fast_file_label(read_workers: int) -> str:
+    """The run label of `fast_file` with `read_workers` read threads."""
+    return "fast_file" if read_workers == 1 else f"fast_file-r{read_workers}"
+
+
+def run_spec(label: str, yield_ms: float, write_workers: int = 1) -> tuple[str, float, dict]:
+    """(storage backend, yield ms, backend options) of a run label."""
     if label == "file+yield":
-        return "file", yield_ms
+        return "file", yield_ms, {}
+    if label == "fast_file" or label.startswith("fast_file-r"):
+        n = label[len("fast_file-r"):] if label != "fast_file" else "1"
+        if not n.isdigit() or int(n) < 1:
+            raise ValueError(f"bad fast_file run {label!r}: fast_file-r<read workers>")
+        return "fast_file", 0.0, {"read_workers": int(n), "write_workers": write_workers}
     if label not in ("none", "file", "mp"):
         raise ValueError(f"unknown run {label!r}; choose from {ALL_RUNS}")
-    return label, 0.0
+    return label, 0.0, {}
 
 
 class Bench:
@@ -235,7 +247,7 @@ class Bench:
 
     def run_backend(self, label: str, store: str) -> RunResult:
         cfg = self.cfg
-        backend, yield_ms = run_spec(label, cfg.yield_ms)
+        backend, yield_ms, options = run_spec(label, cfg.yield_ms, cfg.fast_file_write_workers)
         if backend == "none":
             keys = [k for r in self.requests for k in r.page_keys(cfg.page_size)]
             engine = InstantStore(keys, self.geometry.page_bytes)
@@ -243,11 +255,13 @@ class Bench:
             engine = make_engine(backend, EngineConfig(
                 storage_dir=store, num_workers=cfg.workers, host_pool_pages=self.pool_pages,
                 prefetch_policy=cfg.policy, prefetch_timeout_s=cfg.timeout_s,
-                **cfg.engine_options), self.geometry)
+                **cfg.engine_options), self.geometry, **options)
         loader = None
         try:
             loader = self._loader(engine) if backend != "none" else None
             extra = f", {engine.metrics()['workers']} workers" if backend == "mp" else ""
+            if backend == "fast_file":
+                extra = f", {options['read_workers']} read / {options['write_workers']} write threads"
             if loader is not None:
                 extra += f", pages loaded to {loader.device}"
             self.log(f"[{label}] running {len(self.requests)} requests "

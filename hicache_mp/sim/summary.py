@@ -2,8 +2,8 @@
 
 Owns: `RequestResult`, `summarize` (the fields SGLang's bench_long_context /
 bench_serving print, listed in shared/WORKLOAD.md), and the text formatting
-of one run (`format_summary`) and of several backends side by side
-(`format_comparison`). Pure functions: no I/O, no engine calls.
+of one run (`format_summary`), of several backends side by side
+(`format_comparison`) and the verdict under that table (`format_verdict`). Pure functions: no I/O, no engine calls.
 
 `summarize` keys (times in seconds, lengths in tokens):
   total_requests
@@ -162,3 +162,26 @@ def format_comparison(rows: dict[str, dict], baseline: str) -> str:
                      for i, c in enumerate(r)) for r in table]
     out.insert(1, "-" * len(out[0]))
     return "\n".join(out)
+
+
+def format_verdict(rows: dict[str, dict], ours: str = "mp") -> str:
+    """One line in words: how much faster (mean TTFT) `ours` is than each other
+    storage run of this table; `none` (no storage at all) is the ideal, not a rival."""
+    mine = rows.get(ours, {}).get("ttft_mean_s")
+    rivals = [n for n in rows if n not in (ours, "none") and rows[n].get("ttft_mean_s")]
+    if not mine or not rivals:
+        return ""
+    parts = []
+    for name in rivals:
+        r = rows[name]["ttft_mean_s"] / mine
+        if r >= 1.005:
+            parts.append(f"{r:.1f}x faster than {name}")
+        elif r > 1 / 1.005:
+            parts.append(f"level with {name}")
+        else:
+            parts.append(f"{1 / r:.1f}x slower than {name}")
+    line = f"Verdict (mean TTFT, this run): {ours} is " + ", ".join(parts)
+    base = rows.get("none", {}).get("ttft_mean_s")
+    if base:
+        line += f"; {ours} takes {mine / base:.2f}x the ideal's (none)"
+    return line + "."

@@ -66,7 +66,7 @@ def test_storage_runs_move_exactly_the_cached_and_computed_pages(report):
     cached = sum(r.cached_len // ps for r in bench.requests)
     computed = sum(r.prompt_len // ps - r.cached_len // ps for r in bench.requests)
     assert report["warmup"]["pages_written"] + report["warmup"]["pages_present"] == cached
-    for label in ("file", "file+yield", "mp"):
+    for label in ("file", "file+yield", "fast_file", "mp"):
         run = report["runs"][label]
         pf, bk = run["prefetch"], run["backup"]
         assert pf["ok_pages"] == cached and pf["bytes"] == cached * page_bytes, label
@@ -214,3 +214,15 @@ def test_device_load_puts_every_landed_page_on_the_device(tmp_path, policy):
     assert len(seen) == sum(1 for r in results["mp"].prefetch)
     for loader, h, keys, dev in seen.values():
         assert h.done and h.pages_loaded == h.op.completed_pages
+
+
+def test_verdict_says_how_much_faster_mp_is_than_each_baseline():
+    from hicache_mp.sim.summary import format_verdict
+    rows = {"none": {"ttft_mean_s": 0.5}, "file": {"ttft_mean_s": 6.0},
+            "file+yield": {"ttft_mean_s": 0.502}, "fast_file": {"ttft_mean_s": 2.0},
+            "fast_file-r4": {"ttft_mean_s": 0.4}, "mp": {"ttft_mean_s": 0.5}}
+    line = format_verdict(rows)
+    assert line == ("Verdict (mean TTFT, this run): mp is 12.0x faster than file, level with "
+                    "file+yield, 4.0x faster than fast_file, 1.2x slower than fast_file-r4; "
+                    "mp takes 1.00x the ideal's (none).")
+    assert format_verdict({"mp": {"ttft_mean_s": 0.5}}) == ""   # nothing to compare with

@@ -11,6 +11,7 @@ FLAGS = ("--quick", "--hicache-storage-backend", "--hicache-mp-workers",
          "--hicache-storage-prefetch-policy", "--prefetch-timeout-s", "--page-size",
          "--hicache-mem-layout", "--storage-dir", "--scheduler-yield-ms", "--num-requests",
          "--seed", "--host-pool-pages", "--json", "--plot", "--no-verify", "--device-load",
+         "--fast-file-read-workers", "--fast-file-write-workers",
          # storage flags (hicache_mp.config.add_engine_flags)
          "--hicache-mp-direct-io", "--hicache-mp-io-depth", "--hicache-mp-fsync",
          "--hicache-mp-backup-budget-pages",
@@ -57,3 +58,17 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, capsys, monkeypat
     rc = cli.main(["bench", "--quick", "--plot", str(tmp_path / "p.png")])
     assert rc == 2
     assert "pip install -e .[plot]" in capsys.readouterr().err
+
+
+def test_fast_file_read_worker_counts_become_runs():
+    parse = cli.build_parser().parse_args
+    cfg = cli.bench_config(parse(["bench", "--fast-file-read-workers", "1,4"]))
+    assert cfg.runs == ("none", "file", "file+yield", "fast_file", "fast_file-r4", "mp")
+    cfg = cli.bench_config(parse(["bench", "--hicache-storage-backend", "fast_file",
+                                  "--fast-file-read-workers", "4", "--fast-file-write-workers", "2"]))
+    assert cfg.runs == ("fast_file-r4",) and cfg.fast_file_write_workers == 2
+    for bad in ("0", "1,1", "x"):
+        with pytest.raises(SystemExit):
+            parse(["bench", "--fast-file-read-workers", bad])
+    with pytest.raises(SystemExit):
+        cli.bench_config(parse(["bench", "--fast-file-write-workers", "0"]))

@@ -1,0 +1,285 @@
+"""FastFileEngine: the `fast_file` baseline, a replica of SGLang PR #39880's I/O paths.
+
+sgl-project/sglang PR #39880 adds `HiCacheFastFile` (mem_cache/storage/fast_file/
+fast_file_store.py). This module moves pages the way it does, inside the
+scheduler process on Python threads, so `mp` can be measured against it in one
+run. What each part stands for:
+
+- `_prefetch_loop` / `_backup_loop`: HiCacheController's `prefetch_io_aux_func`
+  and backup thread; each op is cut into `STORAGE_BATCH_SIZE` (128) page batches
+  (`_page_transfer`, `_page_backup`), the op is checked for termination before
+  each batch, and a batch's pages complete together (one PrefetchAck per batch).
+- `_transfer`: `HiCacheFastFile._transfer_pages` (`batch_get_v1` / `batch_set_v1`):
+  one iovec list per page over the host pool's own memory (`_pool_page_buffers`)
+  for the page-first layouts, a staged tensor copy otherwise (`_staged_read_page`).
+- `_map_on`: the PR's `_map_on`: inline when a pool has one worker (`read_workers`
+  and `write_workers`, default 1 each, separate pools), else one contiguous slice
+  per worker submitted to a `ThreadPoolExecutor` and waited on in order.
+- `_read_page`: `_read_page_buffers`: `os.open`, `os.fstat` size check,
+  `os.readv` straight into the pool (`_readv_exact`), `os.close`.
+- `_write_page`: `_write_page_buffers` + `_publish_page_locked`: a striped
+  lock, `os.path.getsize` (an existing page of the right size is skipped), a
+  `<path>.tmp.<pid>.<tid>.<uuid4>` file opened O_EXCL, `os.writev`, `os.close`,
+  `os.replace`.
+
+The one difference is the file format: pages carry this project's 4096-byte
+header (workers.pagefile) so all backends share one store; the header rides in
+the same `readv`/`writev` as the payload and is checked in Python after the
+read, so the system calls per page are the PR's. Without max_size the PR's
+evictor and metadata cache are inert, so they are not replicated.
+
+Owns only those threads. Must not be used as the production path.
+"""
+import collections
+import os
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from shm import HostPool, clean_stale, new_owner_tag
+from workers import naming, pagefile
+from workers import status as st
+from workers.storedir import ensure_parent
+
+from .core import EngineCore
+from .ops import READ, WRITE, Op
+
+STORAGE_BATCH_SIZE = 128          # sglang.srt.mem_cache.hicache_storage
+DIRECT_IO_LAYOUTS = ("page_first", "page_first_direct")
+WRITE_LOCK_STRIPES = 256
+
+
+class _CorruptPage(OSError):
+    pass
+
+
+class FastFileEngine(EngineCore):
+    backend = "fast_file"
+
+    def __init__(self, config, geometry, *, read_workers: int = 1, write_workers: int = 1):
+        for name, n in (("read_workers", read_workers), ("write_workers", write_workers)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"fast_file {name} must be an integer >= 1, got {n!r}")
+        super().__init__(config, geometry)
+        clean_stale()
+        self.tag = new_owner_tag()
+        self.host_pool = HostPool(geometry, config.host_pool_pages, name=self.tag + ".pool",
+                                  create=True, populate=config.populate)
+        self.read_workers, self.write_workers = read_workers, write_workers
+        self._direct = geometry.layout in DIRECT_IO_LAYOUTS
+        self._dtype = getattr(torch, geometry.dtype)
+        self._fp = geometry.fingerprint()
+        self._iov_max = _iov_max()
+        self._write_locks = tuple(threading.Lock() for _ in range(WRITE_LOCK_STRIPES))
+        self._done = collections.deque()  # (op, [pos], [code], io_ns per page, [errno])
+        self._signal = threading.Event()
+        self._stopping = False
+        self._read_executor = ThreadPoolExecutor(read_workers, "hicache_mp-ffread") \
+            if read_workers > 1 else None
+        self._write_executor = ThreadPoolExecutor(write_workers, "hicache_mp-ffwrite") \
+            if write_workers > 1 else None
+        self._queues = {READ: queue.Queue(), WRITE: queue.Queue()}
+        self._threads = [threading.Thread(target=self._loop, args=(kind,), daemon=True,
+                                          name=f"hicache_mp-fast_file-{kind}")
+                         for kind in (READ, WRITE)]
+        for t in self._threads:
+            t.start()
+
+    # --- the controller threads (prefetch_io_aux / backup) --------------------
+    def _loop(self, kind: str) -> None:
+        q = self._queues[kind]
+        while True:
+            op = q.get()
+            if op is None:
+                return
+            todo = [pos for pos in range(op.num_pages) if op.page_status[pos] == st.PENDING]
+            for i in range(0, len(todo), STORAGE_BATCH_SIZE):
+                batch = todo[i:i + STORAGE_BATCH_SIZE]
+                t0 = time.perf_counter_ns()
+                if op._cancelled or self._stopping:
+                    results = [(st.CANCELLED, 0)] * len(batch)
+                else:
+                    results = self._transfer(op, batch, kind == READ)
+                per_page = (time.perf_counter_ns() - t0) // len(batch)
+                self._done.append((op, batch, results, per_page))
+                self._signal.set()
+
+    def _transfer(self, op: Op, batch: list, read: bool) -> list:
+        digests = [op.digests[pos] for pos in batch]
+        slots = [int(op.host_pages[pos]) for pos in batch]
+        if self._direct:
+            buffers = [self.host_pool.page_iovecs(s) for s in slots]
+            if read:
+                return self._map_on(self._read_executor, self.read_workers,
+                                    self._read_page, digests, buffers)
+            return self._map_on(self._write_executor, self.write_workers,
+                                self._write_page, digests, buffers)
+        if read:
+            return self._map_on(self._read_executor, self.read_workers,
+                                self._staged_read, digests, slots)
+        return self._map_on(self._write_executor, self.write_workers,
+                            self._staged_write, digests, slots)
+
+    @staticmethod
+    def _map_on(executor, workers: int, fn, *iterables) -> list:
+        calls = list(zip(*iterables))
+        if executor is None or len(calls) <= 1:
+            return [fn(*args) for args in calls]
+        # One contiguous slice per worker, not one task per page (the PR's hand-off).
+        step = -(-len(calls) // workers)
+        futures = [executor.submit(lambda chunk: [fn(*args) for args in chunk], calls[i:i + step])
+                   for i in range(0, len(calls), step)]
+        results = []
+        for f in futures:
+            results.extend(f.result())
+        return results
+
+    # --- one page ---------------------------------------------------------------
+    def _path(self, digest: bytes) -> str:
+        return naming.page_path(self.config.storage_dir, digest)
+
+    def _read_page(self, digest: bytes, buffers: list) -> tuple[int, int]:
+        header = memoryview(bytearray(pagefile.HEADER_SIZE))
+        buffers = [header] + buffers
+        expected = sum(len(b) for b in buffers)
+        try:
+            fd = os.open(self._path(digest), os.O_RDONLY)
+            try:
+                if os.fstat(fd).st_size != expected:
+                    raise _CorruptPage
+                self._readv_exact(fd, buffers)
+            finally:
+                os.close(fd)
+        except FileNotFoundError:
+            return st.MISS, 0
+        except _CorruptPage:
+            return st.CORRUPT, 0
+        except OSError as exc:
+            return st.UNREADABLE, exc.errno or 0
+        return pagefile.check_header(header, self.geometry.page_bytes, self._fp, digest)[0], 0
+
+    def _readv_exact(self, fd: int, buffers: list) -> None:
+        pending = [b for b in buffers if len(b)]
+        expected = sum(len(b) for b in pending)
+        completed = 0
+        while pending:
+            n = os.readv(fd, pending[:self._iov_max])
+            if n == 0:
+                break
+            completed += n
+            _consume(pending, n)
+        if completed != expected:
+            raise _CorruptPage
+
+    def _write_page(self, digest: bytes, buffers: list) -> tuple[int, int]:
+        path = self._path(digest)
+        header = pagefile.build_header(self.geometry.page_bytes, self._fp, digest)
+        buffers = [memoryview(header)] + buffers
+        size = sum(len(b) for b in buffers)
+        with self._write_locks[hash(digest) % WRITE_LOCK_STRIPES]:
+            try:
+                if os.path.getsize(path) == size:
+                    return st.OK, 0   # already there: the PR skips it
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                return st.IOERROR, exc.errno or 0
+            # The store's temp form (so its stale-temp scan knows it), the PR's uniquifier.
+            tmp = naming.tmp_path(path, os.getpid(), f"{threading.get_ident()}-{uuid.uuid4().hex}")
+            fd = -1
+            try:
+                ensure_parent(path, self.config.storage_dir)  # the fan-out dirs (PR: one flat dir)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    self._writev_exact(fd, buffers)
+                finally:
+                    os.close(fd)
+                    fd = -1
+                os.replace(tmp, path)
+                return st.OK, 0
+            except OSError as exc:
+                try:
+                    os.remove(tmp)
+                except OSError:
+                    pass
+                return st.IOERROR, exc.errno or 0
+
+    def _writev_exact(self, fd: int, buffers: list) -> None:
+        pending = [b for b in buffers if len(b)]
+        while pending:
+            n = os.writev(fd, pending[:self._iov_max])
+            if n == 0:
+                raise OSError("short write")
+            _consume(pending, n)
+
+    # Layouts without direct I/O: read into a page tensor, then copy it in.
+    def _staged_read(self, digest: bytes, slot: int) -> tuple[int, int]:
+        target = torch.empty(self.geometry.page_bytes // self.geometry.itemsize, dtype=self._dtype)
+        code, err = self._read_page(digest, [memoryview(target.view(torch.uint8).numpy())])
+        if code == st.OK:
+            self.host_pool.page_view(slot).copy_(target.view(self.geometry.page_shape))
+        return code, err
+
+    def _staged_write(self, digest: bytes, slot: int) -> tuple[int, int]:
+        flat = self.host_pool.page_view(slot).contiguous()
+        return self._write_page(digest, [memoryview(flat.view(-1).view(torch.uint8).numpy())])
+
+    # --- hooks ------------------------------------------------------------------
+    def _submit(self, op: Op) -> None:
+        self._queues[op.kind].put(op)
+
+    def _drain(self) -> int:
+        n = 0
+        while self._done:
+            op, batch, results, io_ns = self._done.popleft()
+            now = time.perf_counter_ns()
+            for pos, (code, err) in zip(batch, results):
+                self._apply(op, pos, code, io_ns, err, now)
+            n += len(batch)
+        return n
+
+    def _cancel_io(self, op: Op) -> None:
+        pass  # the controller threads check op._cancelled before each batch
+
+    def _sleep_for_completion(self, timeout_s: float) -> None:
+        self._signal.wait(timeout_s)
+        self._signal.clear()
+
+    def _shutdown_io(self) -> None:
+        self._stopping = True
+        for q in self._queues.values():
+            q.put(None)
+        for t in self._threads:
+            t.join()
+        for ex in (self._read_executor, self._write_executor):
+            if ex is not None:
+                ex.shutdown(wait=True)
+        self._drain()
+
+    def _release_shm(self) -> None:
+        self.host_pool.close()
+
+    def _num_workers(self) -> int:
+        return self.read_workers
+
+    def _io_metrics(self, now_ns: int) -> dict:
+        return {"read_workers": self.read_workers, "write_workers": self.write_workers}
+
+
+def _consume(buffers: list, n: int) -> None:
+    while buffers and n >= len(buffers[0]):
+        n -= len(buffers[0])
+        buffers.pop(0)
+    if n:
+        buffers[0] = buffers[0][n:]
+
+
+def _iov_max() -> int:
+    try:
+        return max(1, int(os.sysconf("SC_IOV_MAX")))
+    except (AttributeError, OSError, ValueError):
+        return 1024
