@@ -126,6 +126,9 @@ class ThreadedFileEngine(EngineCore):
         self._signal.wait(timeout_s)
         self._signal.clear()
 
+    def _wake_sleepers(self) -> None:
+        self._signal.set()
+
     def _shutdown_io(self) -> None:
         self._stopping = True
         for q in self._queues.values():

@@ -21,9 +21,11 @@ workers.control): the evictor never removes a pinned page. One vectorised add
 per op and one decrement per completed page, no syscalls.
 """
 import logging
+import math
 import os
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -59,6 +61,37 @@ class EngineClosed(RuntimeError):
     """The engine was closed; it accepts no more work."""
 
 
+class EngineForked(EngineClosed):
+    """This process is a fork of the one that made the engine: the engine's
+    workers, rings and segments belong to the parent, so here it is closed."""
+
+
+# Engines of this process; a forked child disowns them all before it runs any
+# code of its own (os.register_at_fork), so nothing it does, or its exit,
+# touches the parent's workers, rings, segments or files.
+_LIVE = weakref.WeakSet()
+
+
+def _disown_after_fork() -> None:
+    for engine in list(_LIVE):
+        engine._disown()
+
+
+os.register_at_fork(after_in_child=_disown_after_fork)
+
+
+def check_timeout(timeout_s, name: str = "timeout_s"):
+    """A timeout in seconds as a float, or None for none (None or inf);
+    ValueError for anything else: a string, a bool, a negative number, NaN."""
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise ValueError(f"{name} must be a number of seconds or None, got {timeout_s!r}")
+    if not timeout_s >= 0:  # also NaN
+        raise ValueError(f"{name} must be >= 0 (or None / inf for no timeout), got {timeout_s!r}")
+    return None if math.isinf(timeout_s) else float(timeout_s)
+
+
 class EngineCore:
     backend = "?"
 
@@ -77,8 +110,17 @@ class EngineCore:
         self._lock = threading.RLock()
         self._ops: dict[int, Op] = {}
         self._next_id = 1
+        # A slot is busy while an I/O may still write it (`_reserved`, per page;
+        # the mp engine also fences the slots of a stuck worker's pages there) and
+        # while its op is not done (`_slot_op`: the op's id, until it retires).
         self._reserved = np.zeros(config.host_pool_pages, dtype=bool)
+        self._slot_op = np.zeros(config.host_pool_pages, dtype=np.int64)
         self._closed = False
+        self._released = False         # segments gone: nothing may touch the pool now
+        self._owner_pid = os.getpid()
+        self._forked = False
+        self._sleepers = 0             # threads inside _sleep_for_completion
+        self._sleepers_gone = threading.Condition(self._lock)
         self._logged_causes: set = set()
         self._start_ns = time.perf_counter_ns()
         self._last_rescan = time.monotonic()
@@ -93,10 +135,26 @@ class EngineCore:
         self._pins = np.zeros(PIN_SLOTS, dtype=np.uint64)  # the mp engine shares its own
         self._seq = 0                  # completions seen, in order (Op.landed_seq; may skip)
         self.loader = None
+        _LIVE.add(self)
+
+    # --- process ownership ------------------------------------------------------
+    def _disown(self) -> None:
+        """In a forked child: the engine is the parent's. Runs in the at-fork hook,
+        so it takes no lock (another parent thread may have held one at the fork)."""
+        self._forked = True
+        self._forget_resources()
+
+    def _refuse_in_child(self):
+        raise EngineForked(
+            f"this hicache_mp engine belongs to process {self._owner_pid}; process "
+            f"{os.getpid()} is a fork of it and cannot use it (its workers, rings and shared "
+            f"memory are the parent's). Create a new engine in the child")
 
     # --- public API -----------------------------------------------------------
     def exists(self, keys) -> int:
         """How many leading keys have a page in the store (no syscalls)."""
+        if self._forked:
+            self._refuse_in_child()
         ns = self.namespace
         n = 0
         for key in keys:
@@ -107,11 +165,15 @@ class EngineCore:
 
     def present(self, keys) -> np.ndarray:
         """One bool per key: is its page in the store, as far as the index knows (no syscalls)."""
+        if self._forked:
+            self._refuse_in_child()
         ns, have = self.namespace, self._index.digests
         return np.array([naming.key_digest(k, ns) in have for k in keys], dtype=bool)
 
     def mark_present(self, keys) -> None:
         """Tell the index these keys' pages are in the store (another process wrote them)."""
+        if self._forked:
+            self._refuse_in_child()
         ns = self.namespace
         with self._lock:
             for key in keys:
@@ -119,6 +181,8 @@ class EngineCore:
 
     def forget_all(self) -> None:
         """Empty the index (the store was cleared under it)."""
+        if self._forked:
+            self._refuse_in_child()
         with self._lock:
             self._index.digests.clear()
 
@@ -130,9 +194,14 @@ class EngineCore:
         """I/O workers (processes for `mp`, threads for `file`)."""
         return self._num_workers()
 
+    def worker_pids(self) -> list:
+        """Process ids of the I/O workers (`mp`; empty for in-process I/O)."""
+        return self._worker_pids()
+
     def prefetch(self, keys, host_pages, *, policy: str | None = None,
                  timeout_s: float | None = None) -> Op:
-        """Start reading pages for `keys` into `host_pages`; returns at once."""
+        """Start reading pages for `keys` into `host_pages`; returns at once.
+        `timeout_s` (the `timeout` policy's deadline): seconds, or None / inf for none."""
         return self._start(READ, keys, host_pages, policy, timeout_s)
 
     def backup(self, keys, host_pages) -> Op:
@@ -144,6 +213,8 @@ class EngineCore:
 
         The op is `done` (its slots free) once in-flight pages come back.
         """
+        if self._forked:
+            self._refuse_in_child()
         with self._lock:
             if op.done:
                 return
@@ -154,11 +225,15 @@ class EngineCore:
         """Own a DeviceLoader: `poll()` then also advances its GPU copies, and
         `close()` closes it first (its CUDA registration must end while the
         pool is still mapped). `op.device_event` is the op's load handle."""
+        if self._forked:
+            self._refuse_in_child()
         loader.engine = self
         self.loader = loader
 
     def poll(self) -> int:
         """Apply finished pages to their ops. Cheap and non-blocking: call every loop."""
+        if self._forked:
+            self._refuse_in_child()
         with self._lock:
             self._poll_calls += 1
             n = self._drain()
@@ -170,19 +245,38 @@ class EngineCore:
             return n
 
     def wait(self, op: Op, timeout_s: float | None = None) -> bool:
-        """Block (GIL released) until `op` is done or the timeout passes."""
+        """Block (GIL released) until `op` is done (True) or the timeout passes (False).
+
+        `timeout_s`: seconds, or None / inf for none. Signals do not end the wait
+        early (an interrupted sleep is resumed within the deadline). If the engine
+        is closed meanwhile, by another thread, raises EngineClosed.
+        """
+        timeout_s = check_timeout(timeout_s)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
+            if self._released:
+                raise EngineClosed(f"engine was closed; the op ended {op.status}")
             self.poll()
             if op.done:
                 return True
             left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
             if left <= 0:
                 return False
-            self._sleep_for_completion(left)
+            with self._lock:
+                if self._released:
+                    continue
+                self._sleepers += 1
+            try:
+                self._sleep_for_completion(left)
+            finally:
+                with self._lock:
+                    self._sleepers -= 1
+                    self._sleepers_gone.notify_all()
 
     def refresh(self) -> int:
         """Rescan the store (picks up pages other engines wrote). Returns the count."""
+        if self._forked:
+            self._refuse_in_child()
         found = StoreIndex(self.config.storage_dir)
         found.scan()
         with self._lock:
@@ -190,6 +284,8 @@ class EngineCore:
             return len(self._index)
 
     def metrics(self) -> dict:
+        if self._forked:
+            self._refuse_in_child()
         with self._lock:
             now = time.perf_counter_ns()
             out = {"backend": self.backend, "workers": self._num_workers(),
@@ -211,6 +307,10 @@ class EngineCore:
             return out
 
     def close(self) -> None:
+        """Stop the workers and release every segment. Safe from any thread of the
+        owning process; threads waiting in `wait()` then get EngineClosed."""
+        if self._forked:
+            self._refuse_in_child()
         with self._lock:
             if self._closed:
                 return
@@ -225,6 +325,10 @@ class EngineCore:
                     op._cancel()
                     for pos in np.flatnonzero(op.page_status == st.PENDING):
                         self._apply(op, int(pos), st.CANCELLED, 0, 0, now)
+                # Sleepers leave their semaphore before it is closed under them.
+                self._wake_sleepers()
+                self._sleepers_gone.wait_for(lambda: self._sleepers == 0, timeout=5.0)
+                self._released = True
                 self._release_shm()
 
     def __enter__(self):
@@ -239,8 +343,13 @@ class EngineCore:
 
     # --- shared bookkeeping -------------------------------------------------
     def _start(self, kind, keys, host_pages, policy, timeout_s) -> Op:
+        if self._forked:
+            self._refuse_in_child()
         if self._closed:
             raise EngineClosed("engine is closed")
+        if timeout_s is not None:
+            finite = check_timeout(timeout_s)
+            timeout_s = math.inf if finite is None else finite
         if isinstance(keys, (str, bytes, bytearray)):
             # list("abc") would silently become three one-letter keys
             raise ValueError("keys must be a sequence of keys, not a single str or bytes")
@@ -253,9 +362,11 @@ class EngineCore:
         with self._lock:
             if self._closed:
                 raise EngineClosed("engine is closed")
-            if len(pages) and self._reserved[pages].any():
-                busy = pages[self._reserved[pages]][:8].tolist()
-                raise ValueError(f"host pages {busy} belong to an op still in flight")
+            if len(pages):
+                busy = self._reserved[pages] | (self._slot_op[pages] != 0)
+                if busy.any():
+                    raise ValueError(f"host pages {pages[busy][:8].tolist()} belong to an op "
+                                     f"still in flight")
             op = Op(self._next_id, kind, keys, pages, digests, self.geometry.page_bytes,
                     policy or self.config.prefetch_policy,
                     self.config.prefetch_timeout_s if timeout_s is None else timeout_s)
@@ -263,6 +374,7 @@ class EngineCore:
             if op.num_pages == 0:
                 return op
             self._reserved[pages] = True
+            self._slot_op[pages] = op.id
             self._ops[op.id] = op
             if self._in_flight[kind] == 0:
                 self._busy_since[kind] = op.submit_ns
@@ -372,6 +484,8 @@ class EngineCore:
             self._retire(op, now_ns)
 
     def _retire(self, op: Op, now_ns: int) -> None:
+        slots = op.host_pages
+        self._slot_op[slots[self._slot_op[slots] == op.id]] = 0
         self._ops.pop(op.id, None)
         self._in_flight[op.kind] -= 1
         if self._in_flight[op.kind] == 0:
@@ -402,6 +516,9 @@ class EngineCore:
     def _drain(self) -> int: raise NotImplementedError
     def _cancel_io(self, op: Op) -> None: raise NotImplementedError
     def _sleep_for_completion(self, timeout_s: float) -> None: raise NotImplementedError
+    def _wake_sleepers(self) -> None: pass
+    def _worker_pids(self) -> list: return []
+    def _forget_resources(self) -> None: pass
     def _shutdown_io(self) -> None: raise NotImplementedError
     def _release_shm(self) -> None: raise NotImplementedError
     def _num_workers(self) -> int: raise NotImplementedError

@@ -159,7 +159,8 @@ class PrefetchEngine(EngineCore):
         self._rr = 0
         self._last_health = time.monotonic()
         # Segments go even if the caller forgets close() or an exception unwinds.
-        self._finalizer = weakref.finalize(self, _cleanup, self.pool, list(self._segments))
+        self._finalizer = weakref.finalize(self, _cleanup, os.getpid(), self.pool,
+                                           list(self._segments))
 
     # --- hooks ----------------------------------------------------------------
     def _submit(self, op: Op) -> None:
@@ -302,6 +303,8 @@ class PrefetchEngine(EngineCore):
         # may block in several) and keeps the rings single-consumer; the sleep
         # itself happens outside it, with the GIL released.
         with self._lock:
+            if self._released:
+                return
             self.control.words[WAITERS] += 1
             # Re-check after announcing ourselves: a completion pushed before the
             # announcement posted nothing. The short cap covers the remaining race.
@@ -321,14 +324,25 @@ class PrefetchEngine(EngineCore):
                 self._drain_ring(handle.completion)
             self.pool.close()
 
+    def _wake_sleepers(self) -> None:
+        for _ in range(self._sleepers):
+            self.done_sem.post()
+
+    def _forget_resources(self) -> None:
+        if getattr(self, "_finalizer", None) is not None:
+            self._finalizer.detach()
+
     def _release_shm(self) -> None:
         if getattr(self, "_finalizer", None) is not None:
             self._finalizer.detach()
-        _cleanup(None, self._segments)
+        _cleanup(os.getpid(), None, self._segments)
         self._segments = []
 
     def _num_workers(self) -> int:
         return len(self.pool) if self.pool else 0
+
+    def _worker_pids(self) -> list:
+        return [h.pid for h in self.pool.workers] if self.pool else []
 
     def _io_metrics(self, now_ns: int) -> dict:
         wall = (now_ns - self._start_ns) / 1e9
@@ -367,7 +381,9 @@ class _OwnedFd:
             os.close(fd)
 
 
-def _cleanup(pool, segments) -> None:
+def _cleanup(owner_pid: int, pool, segments) -> None:
+    if os.getpid() != owner_pid:  # a forked child's exit: the parent's, never ours to release
+        return
     if pool is not None:
         pool.close()
     for seg in reversed(segments):

@@ -3,8 +3,13 @@
 Owns the sleep/post protocol. The scheduler posts once per batch, never once
 per page; a sleeper wakes on a post or after a timeout (so it can check on its
 parent). posix_ipc releases the GIL while it waits, so a thread blocked here
-never starves the scheduler. Must not carry data: the rings do that.
+never starves the scheduler. A signal that interrupts the sleep (any process
+with a Python signal handler, as servers have) resumes it within the same
+deadline: a wait ends only on a post or on its timeout. Must not carry data:
+the rings do that.
 """
+import time
+
 import posix_ipc
 
 
@@ -21,20 +26,29 @@ class WakeSemaphore:
         self._sem.release()
 
     def wait(self, timeout_s: float | None) -> bool:
-        """Sleep until posted or the timeout passes. True if posted."""
-        try:
-            self._sem.acquire(timeout_s)
-            return True
-        except posix_ipc.BusyError:
-            return False
+        """Sleep until posted or the timeout passes (None: no timeout). True if posted."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        left = timeout_s
+        while True:
+            try:
+                self._sem.acquire(left)
+                return True
+            except posix_ipc.BusyError:
+                return False
+            except posix_ipc.SignalError:
+                # EINTR: the handler itself runs (and may raise) at the next bytecode
+                if deadline is not None:
+                    left = max(0.0, deadline - time.monotonic())
 
     def drain(self) -> None:
         """Consume pending posts, so a burst of batches costs one wake-up."""
-        try:
-            while True:
+        while True:
+            try:
                 self._sem.acquire(0)
-        except posix_ipc.BusyError:
-            pass
+            except posix_ipc.BusyError:
+                return
+            except posix_ipc.SignalError:
+                continue
 
     def close(self) -> None:
         if self.owner:
