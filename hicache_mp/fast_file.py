@@ -249,6 +249,9 @@ class FastFileEngine(EngineCore):
         self._signal.wait(timeout_s)
         self._signal.clear()
 
+    def _wake_sleepers(self) -> None:
+        self._signal.set()
+
     def _shutdown_io(self) -> None:
         self._stopping = True
         for q in self._queues.values():
