@@ -34,7 +34,8 @@ seconds, rates in GB/s = 1e9 bytes/s, lengths in tokens):
                   output_len_{mean,p90,p99}, hit_rate (what was generated)
     warmup        pages_written, pages_present, bytes, seconds, gbps
     runs.<label>  one per run; label is none | file | file+yield | fast_file | fast_file-r<N> | mp
-      backend, policy, yield_ms, duration_s, loop_iters
+      backend, policy, yield_ms, duration_s, loop_iters,
+                  load_avg [1-minute load average before, after]
       summary     total_requests, prompt_len_{mean,p90,p99},
                   output_len_{mean,p90,p99},
                   ttft_{mean,p90,p99,median,max}_s,
@@ -242,7 +243,7 @@ def bench_config(args):
 
 
 def cmd_bench(args, argv=None) -> int:
-    from hicache_mp.sim.bench import Bench, table_rows
+    from hicache_mp.sim.bench import Bench, busy_machine_note, table_rows
     from hicache_mp.sim.summary import format_comparison, format_summary, format_verdict
 
     if args.plot:
@@ -269,6 +270,9 @@ def cmd_bench(args, argv=None) -> int:
     verdict = format_verdict(rows)
     if verdict:
         print(verdict, flush=True)
+    note = busy_machine_note(report["runs"])
+    if note:
+        print(note, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

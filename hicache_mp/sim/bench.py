@@ -167,8 +167,10 @@ class Bench:
             report = self._header(store)
             report["warmup"] = self.warm_up(store)
             for label in cfg.runs:
+                load0 = os.getloadavg()[0]
                 res = self.run_backend(label, store)
                 figs = figures(res, self.cfg.page_size)
+                figs["load_avg"] = [load0, os.getloadavg()[0]]   # 1-minute, before and after
                 report["runs"][label] = figs
                 if on_result:
                     on_result(label, res, figs)
@@ -389,3 +391,15 @@ def table_rows(runs: dict) -> dict:
 def _tempdir() -> str:
     import tempfile
     return tempfile.mkdtemp(prefix="hicache_mp-bench-")
+
+
+def busy_machine_note(runs: dict, cpus: int | None = None) -> str:
+    """A warning when a run shared an oversubscribed machine, or ""."""
+    cpus = cpus or os.cpu_count() or 1
+    peak = max((max(v.get("load_avg") or [0]) for v in runs.values()), default=0)
+    if peak <= cpus:
+        return ""
+    return (f"Note: this machine was busy (1-minute load average up to {peak:.1f} on {cpus} "
+            f"CPUs). The in-process baselines are starved of the GIL only while the scheduler "
+            f"thread has a CPU to take it back at once, as on a serving host; with every CPU "
+            f"busy they look faster than they are. Re-run on a quiet machine for the real gap.")

@@ -5,23 +5,40 @@ policy checks, chunked prefill and decode charged by the `ComputeModel`,
 write-back of computed pages, and the raw measurements (`RunResult`). Must
 not do page I/O (the engine does) nor format output (`summary`, `bench`).
 
-Every iteration, as SGLang's `event_loop_normal` with HiCache storage:
-  1. release requests whose arrival time has passed, FIFO, while fewer than
-     `max_in_flight` are in the system (the client's concurrency cap);
-  2. look each new request up (`engine.exists` over its prompt's page chain),
-     take host slots for the hit pages and start their prefetch (returns at once);
-  3. `engine.poll()`, then check every running prefetch under the policy:
-     wait_complete waits for `done`; timeout also gives up at the deadline
-     (cancel, keep the pages that landed); best_effort runs until the request
-     is scheduled, and is cut short then;
-  4. give back the slots of ops that are done and whose pages were consumed;
-  5. the "GPU": if the charged batch has ended, finish it (first tokens,
-     decode tokens, write-back of newly full pages through `backup`); if it is
-     idle, start the next batch, a chunked prefill of ready requests (FIFO,
-     `chunk_tokens` budget) before a decode step of running requests;
-  6. with `yield_ms` sleep (the user's `sleep(0.001)` workaround); otherwise
-     go round again at once. The loop never blocks while work is pending: it
-     holds the GIL the whole time, as SGLang's scheduler does.
+Every iteration stands for one pass of SGLang 0.5.23's
+`Scheduler.event_loop_normal` (managers/scheduler.py) with HiCache storage:
+  1. `ingest_requests`: release requests whose arrival time has passed, FIFO,
+     while fewer than `max_in_flight` are in the system (the client's cap);
+  2. `_add_request_to_queue` -> `_prefetch_kvcache` -> `prefetch_from_storage`:
+     look each new request up (`engine.exists` over its page chain), take host
+     slots for the hit pages and start their prefetch (returns at once);
+  3. `get_next_batch_to_run` -> `_process_hicache_events` ->
+     `tree_cache.check_hicache_events` (here `engine.poll()`), then
+     `get_new_batch_prefill` -> `check_prefetch_progress` for every waiting
+     request: wait_complete waits for `done`; timeout also gives up at the
+     deadline (cancel, keep the pages that landed); best_effort ends the
+     prefetch when the request is scheduled, with what has landed;
+  4. slots of ops that are done and whose pages were consumed go back
+     (`append_host_mem_release`);
+  5. `run_batch` + `process_batch_result`: if the charged batch has ended,
+     finish it (first tokens, decode tokens, write-back of newly full pages
+     through `backup`, SGLang's `write_backup_storage`); if the "GPU" is idle,
+     start the next batch, a chunked prefill of ready requests (FIFO,
+     `chunk_tokens` budget) before a decode step of running requests; with
+     nothing to run, `on_idle` and round again;
+  6. with `yield_ms`, sleep (the user's `time.sleep(0.001)` workaround);
+     otherwise go round at once.
+The loop never blocks and never sleeps while work is pending: like SGLang's,
+it spins through these checks while requests wait for their prefetch, so it
+holds the GIL except when CPython's switch interval (5 ms) forces it to hand
+over. An in-process reader thread gets the GIL only then, and loses it again
+whenever it releases it for a system call while this thread is on a CPU to
+take it: that is the starvation the `file` and `fast_file` runs show. It
+needs the scheduler thread to have a CPU of its own, as it has on a serving
+host; on a machine whose CPUs are all busy (load above the CPU count) the
+woken scheduler thread comes late, the reader keeps the GIL through its
+system calls, and the baselines look faster than they are in production
+(`bench` warns about such a run).
 """
 from __future__ import annotations
 
@@ -169,13 +186,14 @@ class Scheduler:
             if cfg.max_run_s and now_s > cfg.max_run_s:
                 raise RuntimeError(f"{self.name}: run exceeded {cfg.max_run_s:.0f} s with "
                                    f"{len(self.finished)}/{total} requests done")
-            # 1. release
+            # 1. ingest_requests
             in_system = total - len(pending) - len(self.finished)
             while pending and in_system < cfg.max_in_flight and \
                     pending[0].arrival_s * cfg.arrival_scale <= now_s:
                 lookup.append(_Req(pending.popleft(), ps, cfg.key_salt, now_s))
                 in_system += 1
-            # 2. lookup and prefetch start; FIFO, so a request short of slots holds the line
+            # 2. _prefetch_kvcache: lookup and prefetch start; FIFO, so a request
+            # short of slots holds the line
             while lookup:
                 q = lookup[0]
                 hit = eng.exists(q.keys + q.wb_keys)
@@ -197,18 +215,18 @@ class Scheduler:
                     self.prefetching.append(q)
                 else:
                     self.ready.append(q)
-            # 3. progress, every step
+            # 3. check_hicache_events, then check_prefetch_progress per waiting request
             eng.poll()
             if self.prefetching:
                 self._check_prefetches(now_ns)
             if self.h2d_pending:
                 self._check_h2d()
-            # 4. slots back
+            # 4. host memory of consumed prefetches and finished backups back
             if self.consumed:
                 self._retire_prefetches()
             if self.backups:
                 self._retire_backups()
-            # 5. the GPU
+            # 5. run_batch / process_batch_result; on_idle when nothing runs
             if batch is not None and now_s >= batch.end_s:
                 self._finish(batch, now_s)
                 n = len(self.finished)
@@ -223,7 +241,7 @@ class Scheduler:
                 cfg.progress(len(self.finished), total, now_s)
             if batch is None:
                 batch = self._next_batch(now_s, now_ns)
-            # 6. the workaround
+            # 6. the user's workaround (not SGLang's)
             if yield_s:
                 time.sleep(yield_s)
         duration_s = now_s

@@ -226,3 +226,14 @@ def test_verdict_says_how_much_faster_mp_is_than_each_baseline():
                     "file+yield, 4.0x faster than fast_file, 1.2x slower than fast_file-r4; "
                     "mp takes 1.00x the ideal's (none).")
     assert format_verdict({"mp": {"ttft_mean_s": 0.5}}) == ""   # nothing to compare with
+
+
+def test_a_run_on_a_busy_machine_says_so(report):
+    from hicache_mp.sim.bench import busy_machine_note
+    for run in report["runs"].values():
+        assert len(run["load_avg"]) == 2 and min(run["load_avg"]) >= 0
+    quiet = {"mp": {"load_avg": [0.5, 1.9]}, "file": {"load_avg": [1.0, 2.0]}}
+    assert busy_machine_note(quiet, cpus=2) == ""
+    busy = {"mp": {"load_avg": [0.5, 1.9]}, "file": {"load_avg": [7.25, 3.0]}}
+    note = busy_machine_note(busy, cpus=2)
+    assert note.startswith("Note: this machine was busy (1-minute load average up to 7.2 on 2 CPUs)")
