@@ -47,7 +47,7 @@ import time
 import numpy as np
 
 try:
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolTransferResult
 except ImportError as _exc:  # pragma: no cover - exercised only without SGLang
     raise ImportError(
         "hicache_mp.integrations.sglang is an SGLang storage backend and needs SGLang "
@@ -69,6 +69,7 @@ from ..engine import PrefetchEngine
 from ..ops import Op
 from .sglang_layouts import flat_page_view, host_page_view
 from .sglang_names import SGLangShard
+from .sglang_v2 import HybridPools
 
 log = logging.getLogger("hicache_mp.sglang")
 
@@ -230,6 +231,7 @@ class HiCacheMP(HiCacheStorage):
         self._stats = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
                        "backup_bandwidth": []}
         self._warned: set[str] = set()
+        self.hybrid = HybridPools(self)
 
     # --- attach -------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -255,19 +257,26 @@ class HiCacheMP(HiCacheStorage):
                     "shared-memory pool and copied (one extra copy per page). %s.",
                     why, HOW_TO_ZERO_COPY)
 
+    # --- v2: hybrid models' sidecar pools (hicache_mp.integrations.sglang_v2) ---
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
-        """SGLang's hybrid models (Mamba/SWA/DSA sidecar pools) register extra
-        host pools here and then move them with batch_*_v2, which this backend
-        does not implement. Refuse at attach, where SGLang turns the error into
-        a failed attach with this message, rather than fail mid-serving on the
-        first sidecar read. The primary KV pool itself is welcome."""
-        if host_pool is self.mem_pool_host:
-            return
-        raise NotImplementedError(
-            f"hicache_mp: host pool {host_pool_name!r} is a sidecar pool of a hybrid model "
-            f"(Mamba/SWA/DSA state); hicache_mp moves KV pages only (SGLang's v1 storage "
-            f"interface), not the v2 interface such pools need. Use another storage backend "
-            f"for this model")
+        """Every pool of a hybrid model, KV included, also later at runtime."""
+        self.hybrid.register(host_pool, host_pool_name)
+
+    def on_host_pools_registered(self) -> None:
+        if self.hybrid.unserved:
+            log.warning("hicache_mp: sidecar pools not served: %s", self.hybrid.unserved)
+
+    def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
+        self._need_engine()
+        return self.hybrid.exists(keys, pool_transfers, PoolTransferResult)
+
+    def batch_get_v2(self, transfers, extra_info=None) -> dict:
+        self._need_engine()
+        return self.hybrid.io(transfers, write=False)
+
+    def batch_set_v2(self, transfers, extra_info=None) -> dict:
+        self._need_engine()
+        return self.hybrid.io(transfers, write=True)
 
     @classmethod
     def known_keys(cls) -> frozenset:
@@ -539,6 +548,7 @@ class HiCacheMP(HiCacheStorage):
         out["zero_copy"] = self.zero_copy
         out["fallback_reason"] = self.fallback_reason
         out["layout"] = getattr(self.mem_pool_host, "layout", None)
+        out.update(self.hybrid.metrics())
         return out
 
     def get_stats(self):
@@ -577,10 +587,14 @@ class HiCacheMP(HiCacheStorage):
         engines = [self.engine] if self.engine is not None else []
         if self._staging is not None and self._staging.engine is not self.engine:
             engines.append(self._staging.engine)
-        return engines
+        hybrid = getattr(self, "hybrid", None)
+        return engines + (hybrid.engines() if hybrid is not None else [])
 
     def close(self) -> None:
         """Stop the workers and release every segment (SGLang calls this on detach)."""
+        hybrid = getattr(self, "hybrid", None)
+        if hybrid is not None:
+            hybrid.close()
         for eng in self._engines():
             eng.close()
         self.engine, self._staging, self.zero_copy = None, None, False

@@ -341,15 +341,18 @@ def test_an_unknown_extra_config_key_is_logged(attach, caplog):
     assert len(lines) == 1 and "storage_max_byte" in lines[0]
 
 
-def test_a_hybrid_models_sidecar_pool_is_refused_at_attach(attach):
+def test_a_hybrid_models_sidecar_pool_is_served_beside_kv(attach):
+    """Sidecar pools are no longer refused (tests/integrations/test_sglang_v2.py has the rest)."""
     backend, pool = attach()
     backend.register_mem_host_pool_v2(pool, "kv")  # the primary pool itself is fine
     sidecar = CpuMHAHostPool(layout="layer_first", allocator_type="shm", pages=4)
     try:
-        with pytest.raises(NotImplementedError, match="sidecar pool of a hybrid model"):
-            backend.register_mem_host_pool_v2(sidecar, "mamba")
+        backend.register_mem_host_pool_v2(sidecar, "swa")
+        assert set(backend.metrics()["sidecar_pools"]) == {"swa"}
     finally:
+        backend.close()
         sidecar.close()
-    # The KV path still works after the refusal.
+    backend.register_mem_pool_host(pool)
+    # The KV path works beside it.
     fill_random(pool, [1], seed=5)
     assert backend.batch_set_v1(["hy-1"], pool.token_indices([1])) == [True]

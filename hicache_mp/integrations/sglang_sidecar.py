@@ -1,0 +1,170 @@
+"""Byte layout of SGLang's sidecar host pools (Mamba, SWA, DSA indexer, DeepSeek V4...).
+
+Owns one thing: where the bytes of a sidecar page live in an SGLang host pool,
+so a whole batch of pages moves between that pool and a flat `[n, page_bytes]`
+uint8 tensor with a few torch ops (no Python loop over pages). The page's byte
+order is SGLang's own flat page (`get_data_page(index, flat=True)` viewed as
+bytes), the order SGLang's `file` backend stores. Must not do I/O or start
+anything.
+
+A page is a list of components; each is a slice of one host tensor along one
+dim: `tensor.narrow(dim, index // div, length)` for the page at host index
+`index` (SGLang 0.5.23, `mem_cache/pool_host/`):
+
+    pool (layout)                        tensor                      dim  div  length
+    Mamba (page_first[_direct])          temporal_buffer, conv_buffer[i],
+                                         slot_state_buffers[i]        0    1    1
+    DSA indexer (page_first[_direct])    index_k_with_scale_buffer    0    P    1
+    DSA indexer (layer_first)            index_k_with_scale_buffer    1    P    1
+    MHA-like, SWA (layer_first)          kv_buffer (2,L,size,H,D)     2    1    P
+    MHA-like (page_first)                kv_buffer (2,size,L,H,D)     1    1    P
+    MHA-like (page_first_direct|head)    kv_buffer (2,pages,...)      1    P    1
+    MLA-like (layer_first)               kv_buffer (L,size,1,d)       1    1    P
+    MLA-like (page_first)                kv_buffer (size,L,1,d)       0    1    P
+    MLA-like (page_first_direct)         kv_buffer (pages,L,P,1,d)    0    P    1
+
+A pool that fits none of these (or whose plan disagrees with its own
+get_data_page size) is moved page by page through its own
+get_data_page / set_from_flat_data_page, as SGLang's `file` backend does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Component:
+    tensor: torch.Tensor   # a uint8 view of the host tensor (same memory)
+    dim: int
+    div: int
+    length: int
+
+    @property
+    def page_bytes(self) -> int:
+        rest = self.tensor.numel() // self.tensor.shape[self.dim] if self.tensor.numel() else 0
+        return rest * self.length
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+class BatchLayout:
+    """Pages as slices of a few host tensors: batched gather / scatter."""
+
+    batched = True
+
+    def __init__(self, components: list[Component], kind: str):
+        self.components = [c for c in components if c.tensor.numel()]
+        self.kind = kind
+        self.page_bytes = sum(c.page_bytes for c in self.components)
+
+    def describe(self) -> str:
+        parts = [f"{tuple(c.tensor.shape)}@{c.dim}/{c.div}x{c.length}" for c in self.components]
+        return f"{self.kind}:{self.page_bytes}:" + ",".join(parts)
+
+    def _rows(self, c: Component, index: torch.Tensor) -> torch.Tensor:
+        start = index // c.div
+        if c.length == 1:
+            return start
+        return (start[:, None] + torch.arange(c.length)).reshape(-1)
+
+    def gather(self, index: torch.Tensor, out: torch.Tensor) -> None:
+        """out[i] = the bytes of the page at host index index[i]."""
+        n, off = len(index), 0
+        for c in self.components:
+            sel = c.tensor.index_select(c.dim, self._rows(c, index))
+            shape = list(sel.shape)
+            sel = sel.reshape(shape[:c.dim] + [n, c.length] + shape[c.dim + 1:])
+            sel = sel.movedim(c.dim, 0).reshape(n, -1)
+            out[:, off:off + c.page_bytes].copy_(sel)
+            off += c.page_bytes
+
+    def scatter(self, index: torch.Tensor, data: torch.Tensor) -> None:
+        """The page at host index index[i] = data[i]."""
+        n, off = len(index), 0
+        for c in self.components:
+            shape = list(c.tensor.shape)
+            page_shape = shape[:c.dim] + [c.length] + shape[c.dim + 1:]
+            chunk = data[:, off:off + c.page_bytes].reshape([n] + page_shape)
+            chunk = chunk.movedim(0, c.dim)
+            chunk = chunk.reshape(shape[:c.dim] + [n * c.length] + shape[c.dim + 1:])
+            c.tensor.index_copy_(c.dim, self._rows(c, index), chunk)
+            off += c.page_bytes
+
+
+class PerPageLayout:
+    """Any other pool: its own get_data_page / set_from_flat_data_page, page by page."""
+
+    batched = False
+
+    def __init__(self, host_pool, page_bytes: int, kind: str):
+        self.pool, self.page_bytes, self.kind = host_pool, page_bytes, kind
+
+    def describe(self) -> str:
+        return f"{self.kind}:{self.page_bytes}:per-page"
+
+    def gather(self, index: torch.Tensor, out: torch.Tensor) -> None:
+        for i, idx in enumerate(index.tolist()):
+            out[i].copy_(_u8(self.pool.get_data_page(idx, flat=True).contiguous()).reshape(-1))
+
+    def scatter(self, index: torch.Tensor, data: torch.Tensor) -> None:
+        dummy = self.pool.get_dummy_flat_data_page()
+        for i, idx in enumerate(index.tolist()):
+            self.pool.set_from_flat_data_page(idx, data[i].view(dummy.dtype))
+
+
+_KV_TABLE = {  # (mla, layout) -> (dim, by_page)
+    (False, "layer_first"): (2, False), (False, "page_first"): (1, False),
+    (False, "page_first_direct"): (1, True), (False, "page_head"): (1, True),
+    (True, "layer_first"): (1, False), (True, "page_first"): (0, False),
+    (True, "page_first_direct"): (0, True),
+}
+
+
+def _components(pool) -> tuple[list[Component], str] | None:
+    P = int(getattr(pool, "page_size", 1) or 1)
+    layout = getattr(pool, "layout", None)
+    temporal = getattr(pool, "temporal_buffer", None)
+    if temporal is not None and layout in ("page_first", "page_first_direct"):
+        tensors = [temporal, *getattr(pool, "conv_buffer", ()),
+                   *getattr(pool, "slot_state_buffers", ())]
+        return [Component(_u8(t), 0, 1, 1) for t in tensors], "mamba"
+    index_buf = getattr(pool, "index_k_with_scale_buffer", None)
+    if index_buf is not None and layout in ("page_first", "page_first_direct", "layer_first"):
+        dim = 1 if layout == "layer_first" else 0
+        return [Component(_u8(index_buf), dim, P, 1)], "indexer"
+    kv = getattr(pool, "kv_buffer", None)
+    if isinstance(kv, torch.Tensor) and int(getattr(pool, "dcp_size", 1) or 1) == 1:
+        mla = not hasattr(pool, "head_num")
+        entry = _KV_TABLE.get((mla, layout))
+        if entry is not None:
+            dim, by_page = entry
+            return [Component(_u8(kv), dim, P if by_page else 1, 1 if by_page else P)], \
+                "mla" if mla else "mha"
+    return None
+
+
+def plan(host_pool):
+    """The layout of `host_pool`'s pages (batched where known, else page by page).
+
+    Raises ValueError for an object that is no SGLang host pool at all (it has
+    neither a known buffer layout nor get_data_page/set_from_flat_data_page).
+    """
+    flat = None
+    if hasattr(host_pool, "get_dummy_flat_data_page"):
+        d = host_pool.get_dummy_flat_data_page()
+        flat = d.numel() * d.element_size()
+    found = _components(host_pool)
+    if found is not None:
+        layout = BatchLayout(*found)
+        if flat is None or flat == layout.page_bytes:
+            return layout
+    if flat is not None and hasattr(host_pool, "set_from_flat_data_page") \
+            and hasattr(host_pool, "get_data_page"):
+        return PerPageLayout(host_pool, flat, type(host_pool).__name__)
+    raise ValueError(f"hicache_mp: {type(host_pool).__name__} is not an SGLang host pool "
+                     f"this backend can read (no known buffer layout and no "
+                     f"get_data_page/set_from_flat_data_page)")
