@@ -101,14 +101,16 @@ class SidecarPool:
         """Per key: its page is in the store (index, else one stat: another
         process sharing the directory may have written it)."""
         eng = self.engine
-        out = np.zeros(len(keys), dtype=bool)
-        for i, key in enumerate(keys):
-            d = naming.key_digest(self.key(key), eng.namespace)
-            if d in eng.index.digests:
+        skeys = [self.key(k) for k in keys]
+        out = eng.present(skeys)
+        found = []
+        for i in np.flatnonzero(~out).tolist():
+            d = naming.key_digest(skeys[i], eng.namespace)
+            if os.path.exists(naming.page_path(eng.config.storage_dir, d)):
+                found.append(skeys[i])
                 out[i] = True
-            elif os.path.exists(naming.page_path(eng.config.storage_dir, d)):
-                eng.index.add(d)
-                out[i] = True
+        if found:
+            eng.mark_present(found)
         return out
 
     def _stage(self, slots: list[int]):
@@ -210,7 +212,7 @@ class HybridPools:
         log.info("hicache_mp: sidecar pool %r: %s, %d-byte pages, %s, %d workers", name,
                  layout.kind, layout.page_bytes,
                  "batched copies" if layout.batched else "page-by-page copies",
-                 len(engine.pool))
+                 engine.worker_count())
 
     @staticmethod
     def _geometry(layout) -> PageGeometry:
@@ -325,7 +327,7 @@ class HybridPools:
         return {"sidecar_pools": {n: {"layout": p.layout.describe(),
                                       "batched": p.layout.batched,
                                       "page_bytes": p.layout.page_bytes,
-                                      "workers": len(p.engine.pool)}
+                                      "workers": p.engine.worker_count()}
                                   for n, p in self.pools.items()},
                 "sidecar_unserved": dict(self.unserved)}
 
