@@ -132,6 +132,10 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, metavar="PATH.png",
                    help="draw TTFT distributions and per-op prefetch GB/s per backend "
                         "(needs matplotlib: pip install -e .[plot])")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="run nothing: print one comparison table and verdict from --json reports "
+                        "of the same workload run in parts (e.g. one backend per call on a shared "
+                        "--storage-dir); --json/--plot then write the merged report")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the byte check of each request's first prefetched page")
     p.add_argument("--device-load", choices=("auto", "on", "off"), default="auto",
@@ -243,8 +247,8 @@ def bench_config(args):
 
 
 def cmd_bench(args, argv=None) -> int:
-    from hicache_mp.sim.bench import Bench, busy_machine_note, table_rows
-    from hicache_mp.sim.summary import format_comparison, format_summary, format_verdict
+    from hicache_mp.sim.bench import Bench
+    from hicache_mp.sim.summary import format_summary
 
     if args.plot:
         try:
@@ -253,6 +257,15 @@ def cmd_bench(args, argv=None) -> int:
             print("--plot needs matplotlib: pip install -e .[plot]  (or: pip install matplotlib)",
                   file=sys.stderr)
             return 2
+    if args.merge:
+        from hicache_mp.sim.bench import merge_reports
+        reports = []
+        for path in args.merge:
+            with open(path) as f:
+                reports.append(json.load(f))
+        report = merge_reports(reports)
+        report["command"] = ["hicache-mp", "bench"] + list(argv or [])
+        return _conclude(report, args)
     bench = Bench(bench_config(args))
 
     def show(label, res, figs):
@@ -263,6 +276,13 @@ def cmd_bench(args, argv=None) -> int:
 
     report = bench.run(on_result=show)
     report["command"] = ["hicache-mp", "bench"] + list(argv or [])
+    return _conclude(report, args)
+
+
+def _conclude(report: dict, args) -> int:
+    """The comparison table, the verdict, the JSON and the plot of a report."""
+    from hicache_mp.sim.bench import busy_machine_note, table_rows
+    from hicache_mp.sim.summary import format_comparison, format_verdict
     rows = table_rows(report["runs"])
     base = "none" if "none" in rows else next(iter(rows))
     print(f"\nComparison (TTFT/base: mean TTFT over '{base}')")

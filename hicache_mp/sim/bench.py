@@ -403,3 +403,34 @@ def busy_machine_note(runs: dict, cpus: int | None = None) -> str:
             f"CPUs). The in-process baselines are starved of the GIL only while the scheduler "
             f"thread has a CPU to take it back at once, as on a serving host; with every CPU "
             f"busy they look faster than they are. Re-run on a quiet machine for the real gap.")
+
+
+# The config keys that define the workload and what a run measures: reports that
+# differ in any of them do not belong in one table.
+SAME_WORKLOAD = ("num_requests", "seed", "quick", "page_size", "layout", "dtype", "policy",
+                 "timeout_s", "prompt_scale", "time_scale", "geometry", "device_load")
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """One report from several of the same workload (each run in its own call):
+    their runs side by side, in the order given, and the comparison recomputed."""
+    if not reports:
+        raise ValueError("nothing to merge")
+    first = reports[0]
+    runs: dict = {}
+    for rep in reports:
+        if rep.get("schema") != SCHEMA:
+            raise ValueError(f"not a {SCHEMA} report: schema {rep.get('schema')!r}")
+        for key in SAME_WORKLOAD:
+            if rep["config"].get(key) != first["config"].get(key):
+                raise ValueError(f"reports differ in {key}: {first['config'].get(key)!r} vs "
+                                 f"{rep['config'].get(key)!r}; they are not one workload")
+        for label, run in rep["runs"].items():
+            if label in runs:
+                raise ValueError(f"run {label!r} is in more than one report")
+            runs[label] = run
+    merged = {**first, "runs": runs, "merged_from": [r.get("created") for r in reports],
+              "warmup": [r.get("warmup") for r in reports]}
+    merged["config"] = {**first["config"], "runs": list(runs)}
+    merged["comparison"] = comparison(runs)
+    return merged

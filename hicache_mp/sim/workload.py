@@ -95,6 +95,8 @@ def _quantile_matched(rng, n, mean, p90, p99):
         x[hi90 + 1:] = base + (x[hi90 + 1:] - base) * (p99 - base) / (cur99 - base)
     # Rescale the body below the P90 pair to fix the mean; clamp to keep order.
     body = slice(0, lo90)
+    if lo90 == 0:
+        return x   # two requests or fewer: no body below the P90 pair to rescale
     need = mean * n - x[lo90:].sum()
     x[body] *= need / x[body].sum()
     x[body] = np.minimum(x[body], x[lo90])

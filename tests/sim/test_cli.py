@@ -11,7 +11,7 @@ FLAGS = ("--quick", "--hicache-storage-backend", "--hicache-mp-workers",
          "--hicache-storage-prefetch-policy", "--prefetch-timeout-s", "--page-size",
          "--hicache-mem-layout", "--storage-dir", "--scheduler-yield-ms", "--num-requests",
          "--seed", "--host-pool-pages", "--json", "--plot", "--no-verify", "--device-load",
-         "--fast-file-read-workers", "--fast-file-write-workers",
+         "--fast-file-read-workers", "--fast-file-write-workers", "--merge",
          # storage flags (hicache_mp.config.add_engine_flags)
          "--hicache-mp-direct-io", "--hicache-mp-io-depth", "--hicache-mp-fsync",
          "--hicache-mp-backup-budget-pages",
@@ -72,3 +72,27 @@ def test_fast_file_read_worker_counts_become_runs():
             parse(["bench", "--fast-file-read-workers", bad])
     with pytest.raises(SystemExit):
         cli.bench_config(parse(["bench", "--fast-file-write-workers", "0"]))
+
+
+def test_merge_prints_one_table_from_reports_run_apart(tmp_path, capsys):
+    store = str(tmp_path / "s")
+    paths = []
+    for backend in ("mp", "fast_file"):
+        paths.append(str(tmp_path / f"{backend}.json"))
+        assert cli.main(["bench", "--quick", "--num-requests", "2", "--hicache-storage-backend",
+                         backend, "--storage-dir", store, "--json", paths[-1]]) == 0
+    capsys.readouterr()
+    merged = tmp_path / "all.json"
+    assert cli.main(["bench", "--merge", *paths, "--json", str(merged)]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("Comparison"):]
+    assert [line.split()[0] for line in table.splitlines()[3:5]] == ["mp", "fast_file"]
+    assert "Verdict (mean TTFT, this run): mp is " in out and "than fast_file" in out
+    rep = json.loads(merged.read_text())
+    assert list(rep["runs"]) == ["mp", "fast_file"] and len(rep["merged_from"]) == 2
+    # Another workload does not go in the same table.
+    other = json.loads(open(paths[1]).read())
+    other["config"]["num_requests"] = 3
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert cli.main(["bench", "--merge", paths[0], str(tmp_path / "other.json")]) == 2
+    assert "reports differ in num_requests" in capsys.readouterr().err
