@@ -35,6 +35,7 @@ from workers import status as st
 from workers.control import PIN_SLOTS, pin_slots
 
 from .config import POLICIES, EngineConfig
+from .discovery import Discovery
 from .index import StoreIndex
 from .ops import READ, WRITE, Op
 
@@ -135,6 +136,7 @@ class EngineCore:
         self._pins = np.zeros(PIN_SLOTS, dtype=np.uint64)  # the mp engine shares its own
         self._seq = 0                  # completions seen, in order (Op.landed_seq; may skip)
         self.loader = None
+        self._discovery = Discovery()
         _LIVE.add(self)
 
     # --- process ownership ------------------------------------------------------
@@ -151,14 +153,41 @@ class EngineCore:
             f"memory are the parent's). Create a new engine in the child")
 
     # --- public API -----------------------------------------------------------
-    def exists(self, keys) -> int:
-        """How many leading keys have a page in the store (no syscalls)."""
+    def exists(self, keys, *, wait_s: float = 0.0) -> int:
+        """How many leading keys have a page in the store.
+
+        No syscall here. A key the index does not know is asked of the store
+        by a worker (one stat, at most once per PROBE_TTL_S per key, with the
+        keys after it; hicache_mp.discovery): pages another engine wrote are
+        found by a later call once `poll()` has the answer, or by this one
+        with `wait_s` > 0, which waits up to that long (GIL released) for
+        the answers.
+        """
         if self._forked:
             self._refuse_in_child()
-        ns = self.namespace
+        if not isinstance(keys, (list, tuple)):
+            keys = list(keys)
+        n = self._leading(keys)
+        if n == len(keys) or self._closed:
+            return n
+        with self._lock:
+            waiting = self._probe(keys[n:])
+        if not waiting or wait_s <= 0:
+            return n
+        deadline = time.monotonic() + wait_s
+        while True:
+            self.poll()
+            left = deadline - time.monotonic()
+            if left <= 0 or waiting.isdisjoint(self._discovery.waiting):
+                break
+            self._sleep_for_completion(left)
+        return n + self._leading(keys[n:])
+
+    def _leading(self, keys) -> int:
+        ns, known = self.namespace, self._index.digests
         n = 0
         for key in keys:
-            if naming.key_digest(key, ns) not in self._index.digests:
+            if naming.key_digest(key, ns) not in known:
                 break
             n += 1
         return n
@@ -513,6 +542,7 @@ class EngineCore:
 
     # --- subclass hooks -------------------------------------------------------
     def _submit(self, op: Op) -> None: raise NotImplementedError
+    def _probe(self, keys) -> set: return set()  # discovery; the mp engine's workers answer
     def _drain(self) -> int: raise NotImplementedError
     def _cancel_io(self, op: Op) -> None: raise NotImplementedError
     def _sleep_for_completion(self, timeout_s: float) -> None: raise NotImplementedError

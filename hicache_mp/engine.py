@@ -43,8 +43,8 @@ import numpy as np
 
 from shm import PageGeometry, WakeSemaphore, clean_stale, new_owner_tag
 from shm.hostpool import HostPool
-from shm.ring import KIND_READ, KIND_WRITE, RECORD_DTYPE
-from workers import directio, pagefile
+from shm.ring import KIND_PROBE, KIND_READ, KIND_WRITE, RECORD_DTYPE
+from workers import directio, naming, pagefile
 from workers import status as st
 from workers.control import BUSY_NS, BYTES, MAX_BYTES, MIN_FREE, PAGES, READS_SUBMITTED, STOP, \
     WAITERS, Control
@@ -53,6 +53,7 @@ from workers.pool import BrokenPool, WorkerPool, worker_cpus
 
 from .config import EngineConfig
 from .core import EngineCore, log
+from .discovery import PROBE_MAX
 from .ops import READ, Op
 
 HEALTH_CHECK_S = 0.1
@@ -211,6 +212,38 @@ class PrefetchEngine(EngineCore):
             for pos in rejected:  # backpressure: say so per page, never queue unbounded
                 self._apply(op, pos, st.BUSY, 0, 0, now)
 
+    def _probe(self, keys) -> set:
+        """Hand probes for `keys` (the first is missing from the index) to the
+        workers; the digests still unanswered among them (hicache_mp.discovery)."""
+        if self.broken or self.pool is None or self.pool.closed:
+            return set()
+        ns, disc, now = self.namespace, self._discovery, time.monotonic()
+        first = naming.key_digest(keys[0], ns)
+        if not disc.due(first, now):  # asked a moment ago: the tail was asked with it
+            return {first} & disc.waiting
+        known = self._index.digests
+        ask = [first]
+        for key in keys[1:PROBE_MAX]:
+            d = naming.key_digest(key, ns)
+            if d not in known and disc.due(d, now):
+                ask.append(d)
+        recs = np.zeros(len(ask), dtype=RECORD_DTYPE)
+        recs["kind"] = KIND_PROBE
+        recs["host_page"] = -1
+        recs["digest"] = np.frombuffer(b"".join(ask), dtype=np.uint8).reshape(-1, 32)
+        workers = self.pool.workers
+        nw = len(workers)
+        sent = []
+        for i in range(min(nw, len(ask))):
+            handle = workers[(self._rr + i) % nw]
+            pushed = handle.submit.push(recs[i::nw])
+            if pushed:
+                handle.wake.post()
+                sent.extend(ask[i::nw][:pushed])  # a full ring: those are asked next time
+        self._rr = (self._rr + len(ask)) % nw
+        disc.mark(sent, now)
+        return set(sent)
+
     def _drain(self) -> int:
         if self.pool is None or self.pool.closed:
             return 0
@@ -232,6 +265,18 @@ class PrefetchEngine(EngineCore):
         n = len(recs)
         if not n:
             return 0
+        probes = recs["kind"] == KIND_PROBE
+        if probes.any():
+            answered = self._discovery.answered
+            for digest, code in zip(recs["digest"][probes], recs["status"][probes].tolist()):
+                digest = digest.tobytes()
+                answered(digest, code == st.OK)
+                if code == st.OK:
+                    self._index.add(digest)
+            recs = recs[~probes]
+            n = len(recs)
+            if not n:
+                return 0
         now = time.perf_counter_ns()
         # One worker's completions in the order it did them: that order is the
         # engine-wide landed order (Op.landed_seq), also across ops.
@@ -365,6 +410,8 @@ class PrefetchEngine(EngineCore):
             "store_bytes_estimate": self.control.store_estimate()
             if self.evictor and not self._closed else None,
             "stale_segments_removed": len(self.stale_removed),
+            "probes_sent": self._discovery.sent,
+            "probes_found": self._discovery.found,
             "shared_pool": self.shared_pool,
         }
 

@@ -40,6 +40,7 @@ assert RECORD_DTYPE.itemsize == 64
 KIND_READ = 1
 KIND_WRITE = 2
 KIND_EVICT = 3   # evictor -> engine: this page file was removed (digest; io_ns = its bytes)
+KIND_PROBE = 4   # engine -> worker -> engine: is this page on disk? (status ok/miss; no bytes move)
 
 _HEAD, _TAIL, _CAP, _RECSZ = 0, 8, 16, 17  # indexes into the uint64 counter view
 _HEADER_BYTES = 192

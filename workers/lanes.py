@@ -33,7 +33,7 @@ import traceback
 
 import numpy as np
 
-from shm.ring import KIND_READ, RECORD_DTYPE
+from shm.ring import KIND_WRITE, RECORD_DTYPE
 from workers import directio, pagefile
 
 PARENT_CHECK_S = 0.25
@@ -134,7 +134,7 @@ def _lane_loop(w, lane: Lane, work, free, dispatch: _Dispatch) -> None:
             traceback.print_exc()
             sys.stderr.flush()
             os._exit(70)  # see the module docstring: the engine fails this worker's pages
-        if rec["kind"] != KIND_READ:
+        if rec["kind"] == KIND_WRITE:
             dispatch.writing = False
             w.wake.post()
         free.release()

@@ -55,6 +55,7 @@ import errno
 import itertools
 import json
 import os
+import stat
 import sys
 import threading
 import time
@@ -64,7 +65,7 @@ import numpy as np
 from shm import PageGeometry, Ring, WakeSemaphore
 from shm.hostpool import HostPool
 from shm.names import unlink_names
-from shm.ring import KIND_READ
+from shm.ring import KIND_PROBE, KIND_READ
 from workers import directio, naming, pagefile, status
 from workers.fileio import preadv_full, pwritev_full
 from workers.lanes import DEFER_POLL_S, PARENT_CHECK_S, Lane, run_lanes
@@ -214,7 +215,9 @@ class Worker:
 
     def serve(self, rec, lane: Lane) -> None:
         t0 = time.perf_counter_ns()
-        if self.control.cancelled(int(rec["op_id"])):
+        if rec["kind"] == KIND_PROBE:  # belongs to no op: never "cancelled"
+            code, err, nbytes = self._probe(rec["digest"].tobytes()), 0, 0
+        elif self.control.cancelled(int(rec["op_id"])):
             code, err, nbytes = status.CANCELLED, 0, 0
         else:
             digest = rec["digest"].tobytes()
@@ -236,7 +239,7 @@ class Worker:
             # fewer pages than the engine has already seen complete. With lanes
             # BUSY_NS sums every lane's I/O time: busy fraction can pass 1.
             self.stats[BUSY_NS] += io_ns
-            self.stats[PAGES] += 1
+            self.stats[PAGES] += rec["kind"] != KIND_PROBE
             self.stats[BYTES] += nbytes
             if rec["kind"] == KIND_READ:
                 self.stats[READS_DONE] += 1
@@ -247,6 +250,18 @@ class Worker:
                 time.sleep(0.0005)
         if self.control.words[WAITERS]:
             self.done.post()
+
+    # --- probes -------------------------------------------------------------
+    def _probe(self, digest: bytes) -> int:
+        """Is this key's page on disk? One stat; OK for a regular file of a
+        page's size (a read still checks it). Answers the engine's discovery
+        of pages other engines wrote (hicache_mp.discovery)."""
+        try:
+            st_ = os.stat(naming.page_path(self.root, digest), follow_symlinks=False)
+        except OSError:
+            return status.MISS
+        whole = stat.S_ISREG(st_.st_mode) and st_.st_size == self.file_bytes
+        return status.OK if whole else status.MISS
 
     # --- reads --------------------------------------------------------------
     def _read(self, path: str, digest: bytes, iovecs, lane: Lane) -> tuple[int, int]:

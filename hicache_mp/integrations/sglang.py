@@ -92,6 +92,10 @@ class AdapterConfig:
                                   "unfinished pages are reported False", sglang=True, lo=0,
                                   lo_open=True, finite=False)
     zero_copy: bool = setting(True, "false forces the staging path", sglang=True)
+    probe_wait_s: float = setting(0.1, "batch_exists waits up to this long for the workers' "
+                                  "answers about keys the index does not know (pages other "
+                                  "engines or nodes wrote); 0: answer from the index, later "
+                                  "calls see what the workers found", sglang=True, lo=0)
 
     def __post_init__(self):
         for f in settings(type(self)):
@@ -227,7 +231,7 @@ class HiCacheMP(HiCacheStorage):
         self._staging: _Staging | None = None          # the staging path (main or legacy)
         self._lock = threading.Lock()
         self._counts = {"staging_copies": 0, "staging_copy_bytes": 0, "get_calls": 0,
-                        "set_calls": 0, "exists_stat_hits": 0}
+                        "set_calls": 0}
         self._stats = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
                        "backup_bandwidth": []}
         self._warned: set[str] = set()
@@ -286,10 +290,6 @@ class HiCacheMP(HiCacheStorage):
     def _config(self, pages: int) -> EngineConfig:
         options = sglang_options(self.extra)
         options["storage_dir"] = self.storage_dir
-        if self.is_mla and self.shard.tp_size > 1:
-            # MLA: only rank 0 writes; the other ranks find its pages by a stat on miss
-            # (batch_exists) and by this periodic rescan.
-            options.setdefault("rescan_interval_s", 5.0)
         return config.EngineConfig(host_pool_pages=pages, **options, **self.shard.engine_names())
 
     def _need_engine(self) -> PrefetchEngine:
@@ -301,26 +301,10 @@ class HiCacheMP(HiCacheStorage):
     # --- v1 (zero-copy interface, "interface_v1": 1) ------------------------
     def batch_exists(self, keys, extra_info=None) -> int:
         """How many leading keys have a page in the store."""
-        eng = self._need_engine()
-        keys = list(keys)
-        n = 0
-        while n < len(keys):
-            n += eng.exists(keys[n:])
-            if n == len(keys) or not self._found_on_disk(eng, keys[n]):
-                break
-            n += 1
-        return n
-
-    def _found_on_disk(self, eng: PrefetchEngine, key) -> bool:
-        """One stat for the first key the index misses: another process (an MLA
-        writer rank, another server on a shared directory) may have written it."""
-        digest = naming.key_digest(key, eng.namespace)
-        if os.path.exists(naming.page_path(eng.config.storage_dir, digest)):
-            eng.mark_present([key])
-            with self._lock:
-                self._counts["exists_stat_hits"] += 1
-            return True
-        return False
+        # Keys the index does not know (an MLA writer rank's pages, another
+        # node's) are asked of the store by the workers; SGLang calls this from
+        # its prefetch thread, which may wait for the answers (GIL released).
+        return self._need_engine().exists(list(keys), wait_s=self.own.probe_wait_s)
 
     def batch_get_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
         keys = list(keys)

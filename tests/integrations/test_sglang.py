@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -188,14 +189,26 @@ def test_batch_exists_counts_leading_pages_with_a_hole(attach):
     assert backend.batch_get_v1(keys, pool.token_indices(range(5))) == [True, True, False, False, False]
 
 
-def test_exists_sees_pages_another_process_wrote(attach, store):
-    a, pool_a = attach()
-    b, _ = attach()
-    fill_random(pool_a, [0], seed=6)
-    assert b.batch_exists(["late"]) == 0
-    assert a.batch_set_v1(["late"], pool_a.token_indices([0])) == [True]
-    assert b.batch_exists(["late"]) == 1  # not in b's index: one stat on the miss found it
-    assert b.metrics()["exists_stat_hits"] == 1
+def test_exists_sees_pages_another_process_wrote(attach, store, monkeypatch):
+    """An MLA reader rank finds the writer rank's new pages in batch_exists:
+    its workers stat the keys its index misses. Its own (the scheduler's)
+    process walks nothing and stats nothing, and runs no rescan thread."""
+    a, pool_a = attach(tp_rank=0, tp_size=2, mla=True)
+    b, _ = attach(tp_rank=1, tp_size=2, mla=True)
+    keys = [f"late{i}" for i in range(6)]
+    fill_random(pool_a, range(6), seed=6)
+    assert b.batch_exists(keys) == 0
+    assert a.batch_set_v1(keys, pool_a.token_indices(range(6))) == [True] * 6
+    calls = []
+    for name in ("scandir", "listdir", "walk", "stat", "lstat"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    time.sleep(0.3)  # past the probe's negative cache for these keys (hicache_mp.discovery)
+    assert b.batch_exists(keys) == 6   # one call: it waits for the workers' answers
+    monkeypatch.undo()
+    assert calls == []
+    assert b.metrics()["probes_found"] == 6
+    assert b.engine.config.rescan_interval_s == 0
 
 
 def test_namespace_follows_sglang_suffix_rules(store, tmp_path):

@@ -1,0 +1,49 @@
+"""Discovery: which keys to ask the store about, so pages other engines wrote are found.
+
+Owns the bookkeeping of miss probes: when `exists()` meets a key the index
+does not know, the engine hands a KIND_PROBE record for it (and for the keys
+after it, up to PROBE_MAX) to a worker, which answers with one stat of the
+page file: OK if a whole page file is there, MISS if not. The answer comes
+back on the completion ring and `poll()` adds the digest to the index. A key
+asked about is not asked again for PROBE_TTL_S (a negative cache), so a
+scheduler that asks exists() in a loop costs the store one stat per key per
+PROBE_TTL_S, and the scheduler's process never walks the store nor makes a
+syscall for it. Must not touch files: workers do.
+
+Why not a periodic rescan: at a million pages a walk is seconds of Python in
+the scheduler's process, and still late. Why not a stat in exists(): it is a
+metadata round trip on the scheduler's thread, per missing key, and on a
+network filesystem that is milliseconds each (docs/decisions.md).
+"""
+PROBE_TTL_S = 0.25
+PROBE_MAX = 64
+_MEMORY = 1 << 16  # digests remembered for the negative cache, then forgotten at once
+
+
+class Discovery:
+    def __init__(self):
+        self.asked: dict[bytes, float] = {}   # digest -> when it was last asked
+        self.waiting: set[bytes] = set()      # asked and not yet answered
+        self.sent = 0
+        self.found = 0
+
+    def due(self, digest: bytes, now: float) -> bool:
+        """May `digest` be asked now? Not within PROBE_TTL_S of the last asking
+        (an answer lost with a dead worker is asked again after that too)."""
+        last = self.asked.get(digest)
+        return last is None or now - last >= PROBE_TTL_S
+
+    def mark(self, digests, now: float) -> None:
+        if len(self.asked) + len(digests) > _MEMORY:
+            self.asked.clear()
+            self.waiting.clear()
+        for d in digests:
+            self.asked[d] = now
+            self.waiting.add(d)
+        self.sent += len(digests)
+
+    def answered(self, digest: bytes, found: bool) -> None:
+        self.waiting.discard(digest)
+        if found:
+            self.found += 1
+            self.asked.pop(digest, None)  # known now; if it goes, it may be asked again at once
