@@ -175,12 +175,21 @@ class EngineCore:
         if not waiting or wait_s <= 0:
             return n
         deadline = time.monotonic() + wait_s
-        while True:
+        while not self._released:
             self.poll()
             left = deadline - time.monotonic()
             if left <= 0 or waiting.isdisjoint(self._discovery.waiting):
                 break
-            self._sleep_for_completion(left)
+            with self._lock:  # the sleepers protocol of wait(): close() waits for us
+                if self._released:
+                    break
+                self._sleepers += 1
+            try:
+                self._sleep_for_completion(min(left, 0.05))
+            finally:
+                with self._lock:
+                    self._sleepers -= 1
+                    self._sleepers_gone.notify_all()
         return n + self._leading(keys[n:])
 
     def _leading(self, keys) -> int:
