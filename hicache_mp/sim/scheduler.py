@@ -63,6 +63,7 @@ class SchedulerConfig:
     policy: str = "wait_complete"
     timeout_s: float = 10.0          # for the timeout policy
     yield_ms: float = 0.0
+    idle_sleep0: bool = False        # SGLang 0.5.23's on_idle time.sleep(0) while requests wait
     host_slots: int = 0              # 0: the engine's pool size
     key_salt: str = ""               # salts write-back keys, so runs never hit each other's pages
     verify: bool = True              # check the first prefetched page of each request
@@ -241,6 +242,10 @@ class Scheduler:
                 cfg.progress(len(self.finished), total, now_s)
             if batch is None:
                 batch = self._next_batch(now_s, now_ns)
+                if batch is None and cfg.idle_sleep0 and self.prefetching:
+                    # on_idle of SGLang 0.5.23: not fully idle, storage on ->
+                    # time.sleep(0), "storage workers need the GIL between I/O calls".
+                    time.sleep(0)
             # 6. the user's workaround (not SGLang's)
             if yield_s:
                 time.sleep(yield_s)
