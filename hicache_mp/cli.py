@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 BACKEND_CHOICES = ("all", "none", "file", "fast_file", "mp")
@@ -266,6 +267,15 @@ def cmd_bench(args, argv=None) -> int:
         report = merge_reports(reports)
         report["command"] = ["hicache-mp", "bench"] + list(argv or [])
         return _conclude(report, args)
+    if args.storage_dir is not None:
+        try:  # one clear line now, rather than a traceback from deep inside the warm-up
+            os.makedirs(args.storage_dir, exist_ok=True)
+            if not os.access(args.storage_dir, os.W_OK | os.X_OK):
+                raise PermissionError(f"[Errno 13] not writable: {args.storage_dir!r}")
+        except OSError as exc:
+            print(f"hicache-mp bench: cannot use --storage-dir {args.storage_dir}: {exc}",
+                  file=sys.stderr)
+            return 2
     bench = Bench(bench_config(args))
 
     def show(label, res, figs):

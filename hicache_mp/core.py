@@ -259,6 +259,14 @@ class EngineCore:
             op._cancel()
             self._cancel_io(op)
 
+    def abandon(self, op: Op, grace_s: float = 1.0) -> None:
+        """Cancel `op` and return once nothing can write its host slots any more,
+        even if an I/O of it is stuck (a hung network read): for a caller that must
+        reuse the slots by a deadline (the SGLang adapter's io_timeout_s). Pages
+        not done end cancelled, or worker_died where a stuck worker had to go."""
+        self.cancel(op)
+        self.wait(op)  # in-process I/O checks the cancel flag before each page
+
     def attach_loader(self, loader) -> None:
         """Own a DeviceLoader: `poll()` then also advances its GPU copies, and
         `close()` closes it first (its CUDA registration must end while the
@@ -286,14 +294,14 @@ class EngineCore:
         """Block (GIL released) until `op` is done (True) or the timeout passes (False).
 
         `timeout_s`: seconds, or None / inf for none. Signals do not end the wait
-        early (an interrupted sleep is resumed within the deadline). If the engine
-        is closed meanwhile, by another thread, raises EngineClosed.
+        early (an interrupted sleep is resumed within the deadline). On a closed
+        engine, also one closed meanwhile by another thread, raises EngineClosed.
         """
         timeout_s = check_timeout(timeout_s)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            if self._released:
-                raise EngineClosed(f"engine was closed; the op ended {op.status}")
+            if self._closed:  # its pool may be gone: a caller must not read the slots
+                raise EngineClosed(f"engine is closed; the op ended {op.status}")
             self.poll()
             if op.done:
                 return True

@@ -36,6 +36,7 @@ Failure states:
     every later call.
 """
 import os
+import signal
 import time
 import weakref
 
@@ -52,7 +53,7 @@ from workers.evictor import EvictorProcess, headroom_bytes
 from workers.pool import BrokenPool, WorkerPool, worker_cpus
 
 from .config import EngineConfig
-from .core import EngineCore, log
+from .core import EngineCore, check_timeout, log
 from .discovery import PROBE_MAX
 from .ops import READ, Op
 
@@ -339,6 +340,28 @@ class PrefetchEngine(EngineCore):
             except BrokenPool as exc:
                 self.broken = exc
                 raise
+
+    def abandon(self, op: Op, grace_s: float = 1.0) -> None:
+        """EngineCore.abandon: after `grace_s` for workers to skip the cancelled
+        pages, a worker still holding one is stuck inside a page I/O that may yet
+        write a slot. It is killed, and this returns once it is gone (the health
+        check fails its pages and replaces it), so no slot is written afterwards."""
+        grace_s = check_timeout(grace_s, "grace_s")
+        self.cancel(op)
+        if self.wait(op, grace_s):
+            return
+        with self._lock:
+            holders = sorted({int(w) for w in op.worker_of[op.page_status == st.PENDING]})
+            pids = [self.pool.workers[i].pid for i in holders if i < len(self.pool.workers)]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        log.error("hicache_mp: op %d still had pages at worker(s) %s %.1f s after it was "
+                  "abandoned; killed them so that no late I/O writes its host slots (they are "
+                  "replaced)", op.id, holders, grace_s)
+        self.wait(op)
 
     def _cancel_io(self, op: Op) -> None:
         self.control.cancel(op.id)

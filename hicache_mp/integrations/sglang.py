@@ -75,6 +75,7 @@ log = logging.getLogger("hicache_mp.sglang")
 
 ZERO_COPY_LAYOUTS = ("layer_first", "page_first_direct")
 DEFAULT_STORAGE_DIR = "/tmp/hicache_mp"
+ABANDON_GRACE_S = 1.0       # after io_timeout_s: time for workers to skip a batch's pages
 DEFAULT_STAGING_PAGES = 256  # two of SGLang's STORAGE_BATCH_SIZE (128) batches in flight
 # Extra-config keys SGLang itself reads (its dynamic loader and allocator switches).
 SGLANG_OWN_KEYS = frozenset({
@@ -103,6 +104,21 @@ class AdapterConfig:
 HOW_TO_ZERO_COPY = ('For zero-copy start SGLang with "allocator":"shm" in '
                     '--hicache-storage-backend-extra-config (SGLang >= 0.5.17) and '
                     '--hicache-mem-layout layer_first or page_first_direct')
+
+
+# Where SGLang keeps StorageMetrics: 0.5.10 and later, then 0.5.9 and earlier.
+STORAGE_METRICS_MODULES = ("sglang.srt.observability.metrics_collector",
+                           "sglang.srt.metrics.collector")
+
+
+def _storage_metrics_class():
+    import importlib
+    for name in STORAGE_METRICS_MODULES:
+        try:
+            return importlib.import_module(name).StorageMetrics
+        except Exception:  # absent, or its own imports fail (e.g. no transformers)
+            continue
+    return None
 
 
 # --- host pool geometry and views (torch side) --------------------------------
@@ -234,6 +250,7 @@ class HiCacheMP(HiCacheStorage):
                         "set_calls": 0}
         self._stats = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
                        "backup_bandwidth": []}
+        self.metrics_on = bool(getattr(storage_config, "enable_storage_metrics", False))
         self._warned: set[str] = set()
         self.hybrid = HybridPools(self)
 
@@ -433,12 +450,14 @@ class HiCacheMP(HiCacheStorage):
         return self._through_staging(keys, write=True, fill=fill)
 
     def _wait_on(self, eng: PrefetchEngine, op: Op) -> None:
-        """Block (semaphore, GIL released; never a spin) until the op is done. On
-        io_timeout_s, cancel, then still wait for the pages in flight: a worker may
-        write a host slot until then, and SGLang reuses slots once we return."""
-        if self.io_timeout_s is not None and not eng.wait(op, self.io_timeout_s):
-            eng.cancel(op)
-        eng.wait(op)
+        """Block (semaphore, GIL released; never a spin) until the op is done. Past
+        io_timeout_s the op is abandoned: pages not done end False, and this returns
+        only once no worker can write their slots any more (a stuck one is killed
+        and replaced), because SGLang reuses those slots as soon as we return."""
+        if self.io_timeout_s is None:
+            eng.wait(op)
+        elif not eng.wait(op, self.io_timeout_s):
+            eng.abandon(op, grace_s=min(ABANDON_GRACE_S, self.io_timeout_s))
 
     def _index_written(self, keys, ok, writer: PrefetchEngine) -> None:
         """Pages written by the legacy staging engine are known to the main one too."""
@@ -537,19 +556,17 @@ class HiCacheMP(HiCacheStorage):
 
     def get_stats(self):
         """SGLang's StorageMetrics (pages and GB/s per call since the last poll),
-        or None where SGLang's metrics module cannot be imported."""
+        from whichever of SGLang's modules has it, or None where none imports.
+        Per-call figures are kept only with SGLang's enable_storage_metrics on:
+        SGLang calls this only then, and would otherwise never empty them."""
         with self._lock:
             stats = {k: list(v) for k, v in self._stats.items()}
             for v in self._stats.values():
                 v.clear()
-        try:
-            from sglang.srt.observability.metrics_collector import StorageMetrics
-        except Exception:
-            try:
-                from sglang.srt.metrics.collector import StorageMetrics  # SGLang <= 0.5.9
-            except Exception:
-                return None
-        m = StorageMetrics()
+        cls = _storage_metrics_class()
+        if cls is None:
+            return None
+        m = cls()
         for k, v in stats.items():
             getattr(m, k).extend(v)
         return m
@@ -558,6 +575,8 @@ class HiCacheMP(HiCacheStorage):
         dt = time.perf_counter() - t0
         with self._lock:
             self._counts["get_calls" if kind == "prefetch" else "set_calls"] += 1
+            if not self.metrics_on:
+                return
             self._stats[f"{kind}_pgs"].append(pages)
             gb = pages * (self.geometry.page_bytes if self.geometry else 0) / 1e9
             self._stats[f"{kind}_bandwidth"].append(gb / dt if dt > 0 else 0.0)

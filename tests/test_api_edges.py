@@ -1,0 +1,104 @@
+"""API edges (issue 11, item 9): close() from another thread, timeouts, the
+default policy the README's loop relies on, a store path that cannot be made."""
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from hicache_mp import EngineConfig
+from hicache_mp.core import EngineClosed
+
+from helpers import engine, fill, geometry, random_pages
+
+
+def test_close_from_another_thread_while_waiting_gives_engine_closed(store):
+    e = engine(store, pages=8, workers=1)
+    g = e.geometry
+    fill(e, [0], random_pages(g, 1))
+    e.wait(e.backup(["a"], [0]), 30)
+    worker = e.worker_pids()[0]
+    os.kill(worker, signal.SIGSTOP)  # the op cannot finish: the waiter stays asleep
+    try:
+        op = e.prefetch(["a"], [1])
+        got = []
+
+        def waiter():
+            try:
+                got.append(e.wait(op))
+            except BaseException as exc:
+                got.append(exc)
+
+        threads = [threading.Thread(target=waiter) for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        closer = threading.Thread(target=e.close)
+        closer.start()
+        time.sleep(0.3)
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    closer.join(30)
+    for t in threads:
+        t.join(30)
+    assert len(got) == 3 and all(isinstance(x, EngineClosed) for x in got), got
+    with pytest.raises(EngineClosed):
+        e.wait(op, 1)
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), None])
+def test_no_timeout_means_wait_until_done(store, timeout):
+    with engine(store, pages=4, workers=1) as e:
+        fill(e, [0], random_pages(e.geometry, 1))
+        op = e.backup(["a"], [0])
+        assert e.wait(op, timeout) is True and op.done
+        op = e.prefetch(["a"], [1], timeout_s=timeout, policy="timeout")
+        assert e.wait(op, timeout) and op.status == "ok"
+
+
+@pytest.mark.parametrize("bad", ["1", -1, -0.5, float("nan"), True, [1]])
+def test_a_bad_timeout_is_a_value_error(store, bad):
+    with engine(store, pages=4, workers=1) as e:
+        op = e.prefetch(["a"], [0])
+        with pytest.raises(ValueError, match="timeout_s"):
+            e.wait(op, bad)
+        with pytest.raises(ValueError, match="timeout_s"):
+            e.prefetch(["b"], [1], timeout_s=bad)
+        assert e.wait(op, 30)
+
+
+def test_the_readme_loop_waits_for_the_pages(store):
+    """`while not op.ready(): engine.poll()` under the library's default policy
+    ends only when the pages are there (it ended at once under best_effort)."""
+    assert EngineConfig(storage_dir=store).prefetch_policy == "wait_complete"
+    with engine(store, pages=8, workers=2) as e:
+        data = random_pages(e.geometry, 4, seed=3)
+        fill(e, range(4), data)
+        assert e.wait(e.backup([f"k{i}" for i in range(4)], range(4)), 30)
+        op = e.prefetch([f"k{i}" for i in range(4)], range(4, 8))
+        while not op.ready():
+            e.poll()
+        assert op.done and op.status == "ok"
+
+
+def test_bench_on_a_storage_dir_that_cannot_be_made_prints_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = subprocess.run([sys.executable, "-m", "hicache_mp.cli", "bench", "--quick",
+                          "--storage-dir", str(blocker / "store")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--storage-dir" in lines[0] and "Not a directory" in lines[0], \
+        out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_config_timeout_may_be_infinite_and_nothing_else_odd(store):
+    assert math.isinf(EngineConfig(storage_dir=store, prefetch_timeout_s="inf").prefetch_timeout_s)
+    with pytest.raises(ValueError):
+        EngineConfig(storage_dir=store, prefetch_timeout_s="soon")
