@@ -1,0 +1,385 @@
+"""Real-stack harness: hicache_mp behind SGLang 0.5.23's own controller.
+
+Drives SGLang's real host pool (`MHATokenToKVPoolHost` on the "shm"
+allocator, cudaHostRegister'ed on a GPU box) and its real `HiCacheController`
+storage threads (prefetch, I/O, sync, backup), with the backend built by
+SGLang's `StorageBackendFactory` (so its failure injector wraps it when its
+env vars are set). The scheduler thread's part is played by this process's
+main thread, exactly as SGLang's scheduler does it: `controller.prefetch`,
+drain `prefetch_hit_queue`, allocate host slots, `prefetch_buffer.put`, drain
+`ack_prefetch_queue`; backups via `write_storage` and `ack_backup_queue`.
+
+Backends: `mp` (hicache_mp via the dynamic config), `file` (SGLang's
+HiCacheFile), `nobytes` (moves nothing: SGLang's own hand-off floor).
+Scheduler: `idle` blocks on the queues; `busy` runs pure Python (holds the
+GIL, like a scheduler building batches) and polls the queues between chunks.
+
+Prints and writes (--json) per backend: round times and GB/s per mode
+(medians of --runs), busy/idle ratios, the busy loop's it/s, the batch_get_v1
+/ batch_set_v1 call counts, and 0 wrong bytes. Owns no engine logic.
+
+    PYTHONPATH=. python3 scripts/sglang_stack.py --round-mib 2048 --page-mib 8 --runs 5 \
+        --json $OUT/stack.json
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import sglang_real as R  # noqa: E402
+
+_rid = itertools.count()
+
+
+class Scheduler:
+    """The scheduler thread's part: waits on SGLang's queues, idle or busy."""
+
+    def __init__(self, busy: bool, poll_every: int = 256):
+        self.busy, self.poll_every = busy, poll_every
+        self.iters, self.x = 0, 1
+        self.busy_s = 0.0
+
+    def spin(self, n: int) -> None:
+        x = self.x
+        for i in range(n):
+            x = (x * 1103515245 + i) & 0xFFFFFFFF
+        self.x = x
+        self.iters += n
+
+    def get(self, q, deadline: float):
+        """One item from `q`; TimeoutError past `deadline` (never a hang)."""
+        import queue
+        if not self.busy:
+            left = deadline - time.monotonic()
+            try:
+                return q.get(timeout=max(left, 0.001))
+            except queue.Empty:
+                raise TimeoutError("no answer from SGLang's storage threads") from None
+        t0 = time.perf_counter()
+        try:
+            while True:
+                try:
+                    return q.get_nowait()
+                except queue.Empty:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("no answer from SGLang's storage threads") from None
+                    self.spin(self.poll_every)
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    def rate(self) -> float:
+        return self.iters / self.busy_s if self.busy_s > 0 else 0.0
+
+
+def loop_rate_alone(seconds: float = 0.5) -> float:
+    s = Scheduler(True)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        s.spin(s.poll_every)
+    return s.iters / (time.perf_counter() - t0)
+
+
+# --- one round through SGLang's controller ----------------------------------------
+def backup(ctl, host_indices, tokens, hashes, sched, timeout_s):
+    t0 = time.perf_counter()
+    op_id = ctl.write_storage(host_indices, tokens, hash_value=hashes)
+    op = sched.get(ctl.ack_backup_queue, time.monotonic() + timeout_s)
+    assert op.id == op_id
+    return time.perf_counter() - t0, op.completed_tokens
+
+
+def prefetch(ctl, host_pool, tokens, sched, timeout_s):
+    """(seconds, tokens completed, host indices or None)."""
+    deadline = time.monotonic() + timeout_s
+    t0 = time.perf_counter()
+    op = ctl.prefetch(f"r{next(_rid)}", tokens)
+    got = sched.get(ctl.prefetch_hit_queue, deadline)
+    assert got is op
+    n = op.storage_hit_count
+    idx = host_pool.alloc(n) if n else None
+    if idx is None:
+        return time.perf_counter() - t0, 0, None
+    op.host_indices = idx
+    ctl.prefetch_buffer.put(op)
+    done = 0
+    while True:
+        ack = sched.get(ctl.ack_prefetch_queue, deadline)
+        if ack.completed_req:
+            break
+        if ack.completed_tokens is not None:
+            done = ack.completed_tokens
+    return time.perf_counter() - t0, done, idx
+
+
+# --- the stack for one backend -----------------------------------------------------
+class Stack:
+    """A real host pool and controller on one backend; pages of random bytes
+    in `src` slots are the truth every read is checked against."""
+
+    def __init__(self, sgl, backend: str, args, store: str):
+        self.sgl, self.name, self.args = sgl, backend, args
+        self.P = args.page_size
+        self.pages = args.round_pages
+        # src pages, read-back pages, plus a second set for write-during-read
+        self.hp = R.mha_host_pool(sgl, layers=args.layers, heads=args.heads,
+                                  head_dim=args.head_dim, page_size=self.P,
+                                  pages=self.pages * 3, layout=args.layout)
+        if backend == "mp":
+            kind, extra = "dynamic", R.mp_extra(store, num_workers=args.workers)
+        elif backend == "file":
+            kind, extra = "file", {"file_storage_path": store}
+        elif backend == "nobytes":
+            kind, extra = "dynamic", R.nobytes_extra()
+        else:
+            raise ValueError(f"unknown backend {backend!r} (mp, file, nobytes)")
+        self.ctl = R.controller(sgl, self.hp, backend=kind, extra=extra)
+        self.calls = _count_calls(self.ctl)
+        self.src = self.hp.alloc(self.pages * self.P)
+        self.extra_src = self.hp.alloc(self.pages * self.P)
+        import torch
+        g = torch.Generator().manual_seed(7)
+        buf = self.hp.kv_buffer.view(torch.uint8).view(-1)
+        buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=g))
+        self.tokens = list(range(1, self.pages * self.P + 1))
+        self.hashes = sgl.get_storage_hash_str(self.tokens, None, page_size=self.P)
+        self.wrong_pages = 0
+        self.checked_pages = 0
+
+    def page(self, idx, i):
+        """Page i of `idx` as bytes (random bf16 bytes hold NaNs: compare bytes)."""
+        import torch
+        return self.hp.get_data_page(int(idx[i * self.P]), flat=True).contiguous().view(torch.uint8)
+
+    def check(self, idx, done_tokens) -> None:
+        if self.name == "nobytes" or idx is None:
+            return
+        import torch
+        for i in range(done_tokens // self.P):
+            self.checked_pages += 1
+            if not torch.equal(self.page(idx, i), self.page(self.src, i)):
+                self.wrong_pages += 1
+
+    def read(self, sched, *, check=True):
+        t, done, idx = prefetch(self.ctl, self.hp, self.tokens, sched, self.args.timeout_s)
+        if idx is not None:
+            if check:
+                self.check(idx, done)
+            self.hp.free(idx)
+        return t, done
+
+    def close(self):
+        with contextlib.suppress(Exception):
+            self.ctl._stop_storage_threads()
+        be = self.ctl.storage_backend
+        be = getattr(be, "_backend", be)  # under SGLang's failure injector
+        if hasattr(be, "close"):
+            be.close()
+        for fd in getattr(self.hp.allocator, "fds", []):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if hasattr(self.hp.allocator, "fds"):
+            self.hp.allocator.fds = []
+        self.hp.kv_buffer = None
+
+
+def _count_calls(ctl) -> dict:
+    """Counts the backend calls SGLang's threads make (batch_get_v1 etc.)."""
+    counts = {"batch_exists": 0, "batch_get_v1": 0, "batch_set_v1": 0, "batch_get": 0,
+              "batch_set": 0}
+    be = ctl.storage_backend
+    for name in counts:
+        fn = getattr(be, name, None)
+        if fn is None:
+            continue
+
+        def wrap(*a, _fn=fn, _name=name, **k):
+            counts[_name] += 1
+            return _fn(*a, **k)
+        setattr(be, name, wrap)
+    return counts
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def run_backend(sgl, backend, args, root) -> dict:
+    store = os.path.join(root, backend)
+    os.makedirs(store, exist_ok=True)
+    s = Stack(sgl, backend, args, store)
+    gb = s.pages * s.hp.get_size_per_token() * s.P / 1e9
+    out = {"backend": backend, "round_gb": gb, "pages": s.pages}
+    try:
+        t, done = backup(s.ctl, s.src, s.tokens, s.hashes, Scheduler(False), args.timeout_s)[:2]
+        out["write_s"], out["write_gbps"] = t, gb / t
+        out["write_ok"] = done == len(s.tokens)
+        s.read(Scheduler(False))  # warm: first round pays the index/page cache
+        modes = {"idle": [], "busy": []}
+        rates = []
+        if args.switch_interval_ms:
+            modes["busy_switch"] = []
+        for _ in range(args.runs):
+            for mode in modes:
+                sched = Scheduler(mode != "idle")
+                old = sys.getswitchinterval()
+                if mode == "busy_switch":
+                    sys.setswitchinterval(args.switch_interval_ms / 1000)
+                try:
+                    t, done = s.read(sched)
+                finally:
+                    sys.setswitchinterval(old)
+                if done != len(s.tokens):
+                    out.setdefault("short_reads", 0)
+                    out["short_reads"] = out["short_reads"] + 1
+                modes[mode].append(t)
+                if mode == "busy":
+                    rates.append(sched.rate())
+                elif mode == "busy_switch":
+                    out.setdefault("loop_rate_switch", []).append(sched.rate())
+        for mode, ts in modes.items():
+            out[f"{mode}_s"] = ts
+            out[f"{mode}_median_s"] = median(ts)
+            out[f"{mode}_gbps"] = gb / median(ts)
+        out["busy_over_idle"] = out["busy_median_s"] and out["idle_median_s"] / out["busy_median_s"]
+        out["loop_rate_busy"] = median(rates)
+        if "loop_rate_switch" in out:
+            out["loop_rate_switch"] = median(out["loop_rate_switch"])
+        if backend != "nobytes" and args.mixed:
+            out.update(read_during_write(s, args))
+        out["calls"] = dict(s.calls)
+        out["wrong_pages"], out["checked_pages"] = s.wrong_pages, s.checked_pages
+    finally:
+        s.close()
+    return out
+
+
+def read_during_write(s: Stack, args) -> dict:
+    """A prefetch round while a backup of other pages is in flight."""
+    import threading
+    tokens = list(range(10**7, 10**7 + s.pages * s.P))
+    hashes = s.sgl.get_storage_hash_str(tokens, None, page_size=s.P)
+    s.ctl.write_storage(s.extra_src, tokens, hash_value=hashes)
+    time.sleep(0.001)
+    t, done = s.read(Scheduler(False))
+    # the backup's ack comes back on the queue the scheduler drains
+    op = Scheduler(False).get(s.ctl.ack_backup_queue, time.monotonic() + args.timeout_s)
+    del threading
+    return {"read_with_write_s": t, "read_with_write_ok": done == len(s.tokens),
+            "write_during_read_ok": op.completed_tokens == len(tokens)}
+
+
+def injector_run(sgl, args, root) -> dict:
+    """mp under SGLang's HiCacheStorageFailureInjector: every round ends (no
+    hang), a short read is a leading prefix, and every page it reports is exact."""
+    keys = {"SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE": str(args.inject_failure),
+            "SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY": str(args.inject_delay)}
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(keys)
+    try:
+        store = os.path.join(root, "mp-injected")
+        os.makedirs(store, exist_ok=True)
+        s = Stack(sgl, "mp", args, store)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    out = {"wrapped": type(s.ctl.storage_backend).__name__}
+    try:
+        writes, reads = [], []
+        for _ in range(args.inject_rounds):
+            writes.append(backup(s.ctl, s.src, s.tokens, s.hashes, Scheduler(False),
+                                 args.timeout_s)[1])
+            reads.append(s.read(Scheduler(True))[1])
+        out.update(rounds=args.inject_rounds, write_tokens=writes, read_tokens=reads,
+                   wrong_pages=s.wrong_pages, checked_pages=s.checked_pages)
+    finally:
+        s.close()
+    return out
+
+
+def summary(res: dict) -> dict:
+    b = {r["backend"]: r for r in res["backends"]}
+    out = {}
+    if "mp" in b and "nobytes" in b:
+        mp, nb = b["mp"], b["nobytes"]
+        out["mp_busy_minus_floor_over_idle"] = (mp["busy_median_s"] - nb["busy_median_s"]) / mp["idle_median_s"]
+        out["nobytes_busy_s"] = nb["busy_median_s"]
+    if "mp" in b and "busy_switch_median_s" in b["mp"]:
+        mp = b["mp"]
+        out["mp_switch_over_idle"] = mp["idle_median_s"] / mp["busy_switch_median_s"]
+        out["loop_rate_switch_over_plain"] = mp["loop_rate_switch"] / mp["loop_rate_busy"]
+    for name, r in b.items():
+        out[f"{name}_busy_over_idle"] = r["busy_over_idle"]
+        if "read_with_write_s" in r:
+            out[f"{name}_read_with_write_over_idle"] = r["idle_median_s"] / r["read_with_write_s"]
+    out["wrong_pages"] = sum(r.get("wrong_pages", 0) for r in b.values()) + \
+        res.get("injector", {}).get("wrong_pages", 0)
+    return out
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backends", default="nobytes,mp,file")
+    ap.add_argument("--round-mib", type=float, default=64, help="bytes per prefetch round")
+    ap.add_argument("--page-mib", type=float, default=1.0, help="page bytes (sets page_size)")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--layout", default="layer_first")
+    ap.add_argument("--workers", type=int, default=0, help="hicache_mp num_workers (0 = auto)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--switch-interval-ms", type=float, default=0.0,
+                    help="also run busy rounds with sys.setswitchinterval at this value")
+    ap.add_argument("--no-mixed", dest="mixed", action="store_false",
+                    help="skip the read-while-a-backup-is-in-flight round")
+    ap.add_argument("--inject-rounds", type=int, default=3, help="0: skip the failure injector")
+    ap.add_argument("--inject-failure", type=float, default=0.3)
+    ap.add_argument("--inject-delay", type=float, default=0.005)
+    ap.add_argument("--timeout-s", type=float, default=120)
+    ap.add_argument("--store", default=None, help="directory for the stores (default: a temp dir)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    page_bytes = int(args.page_mib * 2**20)
+    per_token = 2 * args.layers * args.heads * args.head_dim * 2  # bf16, K and V
+    if page_bytes % per_token or args.round_mib <= 0:
+        ap.error(f"--page-mib must be a multiple of {per_token} bytes (one token of this model)")
+    args.page_size = page_bytes // per_token
+    args.round_pages = max(1, int(args.round_mib * 2**20) // page_bytes)
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    import torch
+    sgl = R.import_stack()
+    res = {"device": "cuda" if torch.cuda.is_available() else "cpu", "args": vars(args),
+           "loop_rate_alone": loop_rate_alone(), "backends": [],
+           "torchvision_placeholder": R.TORCHVISION_PLACEHOLDER}
+    with tempfile.TemporaryDirectory(dir=args.store, prefix="hicache_mp-stack-") as root:
+        for backend in args.backends.split(","):
+            r = run_backend(sgl, backend.strip(), args, root)
+            res["backends"].append(r)
+            print(json.dumps({k: v for k, v in r.items() if not k.endswith("_s")}), flush=True)
+        if args.inject_rounds:
+            res["injector"] = injector_run(sgl, args, root)
+            print(json.dumps({"injector": res["injector"]}), flush=True)
+    res["summary"] = summary(res)
+    print(json.dumps({"summary": res["summary"]}, indent=1), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""hicache_mp through SGLang 0.5.23's real storage stack on CPU: the real
+`MHATokenToKVPoolHost` on the "shm" allocator, the real `HiCacheController`
+with its own prefetch/backup threads, the backend made by SGLang's
+`StorageBackendFactory` (and wrapped by its `HiCacheStorageFailureInjector`),
+driven by scripts/sglang_stack.py as SGLang's scheduler drives it."""
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "scripts"))
+
+import sglang_real  # noqa: E402
+
+try:
+    SGL = sglang_real.import_stack()
+except ImportError as exc:
+    pytest.skip(f"SGLang's host-pool/controller chain is not importable ({exc}); install "
+                f"`pip install --no-deps -r .ci/sglang-requirements.txt`", allow_module_level=True)
+
+import sglang_stack  # noqa: E402
+
+SMALL = ["--round-mib", "2", "--page-mib", "0.125", "--layers", "2", "--heads", "4",
+         "--head-dim", "64", "--workers", "1", "--timeout-s", "60"]
+
+
+def test_real_stack_moves_exact_bytes(tmp_path):
+    res = sglang_stack.main([*SMALL, "--runs", "1", "--inject-rounds", "0",
+                             "--store", str(tmp_path), "--json", str(tmp_path / "r.json")])
+    b = {r["backend"]: r for r in res["backends"]}
+    assert set(b) == {"nobytes", "mp", "file"}
+    for name in ("mp", "file"):
+        r = b[name]
+        assert r["write_ok"] and r["read_with_write_ok"] and r["write_during_read_ok"], r
+        # warm-up + idle + busy + the read during a write: every page compared
+        assert r["checked_pages"] == 4 * r["pages"] and r["wrong_pages"] == 0, r
+        assert "short_reads" not in r
+    # hicache_mp took SGLang's zero-copy v1 path; file the generic one
+    assert b["mp"]["calls"]["batch_get_v1"] > 0 and b["mp"]["calls"]["batch_get"] == 0
+    assert b["file"]["calls"]["batch_get"] > 0 and b["file"]["calls"]["batch_get_v1"] == 0
+    assert res["summary"]["wrong_pages"] == 0
+    assert (tmp_path / "r.json").stat().st_size > 0
+    assert not list(tmp_path.glob("hicache_mp-stack-*")), "the stores are removed"
+
+
+def test_failure_injector_rounds_end_with_exact_prefixes(tmp_path):
+    """Under SGLang's own injector (random failures and delays on every backend
+    call) every round ends, and the pages a read reports landed are exact."""
+    args = sglang_stack.parse([*SMALL, "--inject-rounds", "6", "--inject-failure", "0.4",
+                               "--inject-delay", "0.002"])
+    out = sglang_stack.injector_run(SGL, args, str(tmp_path))
+    assert out["wrapped"] == "HiCacheStorageFailureInjector"
+    assert len(out["read_tokens"]) == 6
+    assert out["wrong_pages"] == 0
+    assert out["checked_pages"] == sum(out["read_tokens"]) // args.page_size
+    full = args.round_pages * args.page_size
+    assert all(0 <= t <= full for t in out["read_tokens"] + out["write_tokens"])
