@@ -130,7 +130,7 @@ class Stack:
     def __init__(self, sgl, backend: str, args, store: str):
         self.sgl, self.name, self.args = sgl, backend, args
         self.P = args.page_size
-        self.pages = args.round_pages
+        self.pages = args.file_round_pages if backend == "file" else args.round_pages
         # src pages, read-back pages, plus a second set for write-during-read
         self.hp = R.mha_host_pool(sgl, layers=args.layers, heads=args.heads,
                                   head_dim=args.head_dim, page_size=self.P,
@@ -150,7 +150,9 @@ class Stack:
         import torch
         g = torch.Generator().manual_seed(7)
         buf = self.hp.kv_buffer.view(torch.uint8).view(-1)
-        buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=g))
+        for a in range(0, buf.numel(), 1 << 28):
+            chunk = buf[a:a + (1 << 28)]
+            chunk.copy_(torch.randint(0, 256, chunk.shape, dtype=torch.uint8, generator=g))
         self.tokens = list(range(1, self.pages * self.P + 1))
         self.hashes = sgl.get_storage_hash_str(self.tokens, None, page_size=self.P)
         self.wrong_pages = 0
@@ -331,6 +333,9 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backends", default="nobytes,mp,file")
     ap.add_argument("--round-mib", type=float, default=64, help="bytes per prefetch round")
+    ap.add_argument("--file-round-mib", type=float, default=None,
+                    help="bytes per round for SGLang's file backend (default: --round-mib; "
+                         "it runs at a fraction of a GB/s under a busy scheduler)")
     ap.add_argument("--page-mib", type=float, default=1.0, help="page bytes (sets page_size)")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--heads", type=int, default=8)
@@ -355,6 +360,7 @@ def parse(argv=None):
         ap.error(f"--page-mib must be a multiple of {per_token} bytes (one token of this model)")
     args.page_size = page_bytes // per_token
     args.round_pages = max(1, int(args.round_mib * 2**20) // page_bytes)
+    args.file_round_pages = max(1, int((args.file_round_mib or args.round_mib) * 2**20) // page_bytes)
     return args
 
 

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The real-stack harness on the GPU box, in one command (about 8 minutes at
+# most): installs what the box lacks from .whl/ (made beforehand by
+# scripts/device_wheels.sh on a machine with PyPI; carry .whl), then runs
+# scripts/sglang_stack.py (SGLang's real host pool + HiCacheController on
+# nobytes, mp and file, idle and busy, with the 0.5 ms switch-interval remedy
+# measured alongside) and writes OUTDIR/stack.json plus OUTDIR/stack.log.
+# Usage: scripts/device_stack.sh OUTDIR [extra sglang_stack.py args]
+set -u
+out=${1:?usage: scripts/device_stack.sh OUTDIR [sglang_stack.py args]}
+shift
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+deps=${HICACHE_MP_DEVICE_DEPS:-/tmp/hicache_mp_deps}
+mkdir -p "$deps"
+export PYTHONUNBUFFERED=1
+t0=$SECONDS
+# Only what the box lacks goes into $deps: its own torch/triton/transformers
+# (and anything else it has) stay in charge.
+timeout 120 python3 - "$deps" .whl/*.whl <<'EOF' || { echo "install failed"; exit 3; }
+import importlib.metadata as md, os, subprocess, sys, tarfile
+deps, wheels = sys.argv[1], sys.argv[2:]
+need = []
+for w in wheels:
+    try:
+        md.version(os.path.basename(w).split("-")[0])
+    except md.PackageNotFoundError:
+        need.append(w)
+try:
+    md.version("sglang")
+except md.PackageNotFoundError:
+    tarfile.open(".whl/sglang-0.5.23-stripped.tar.gz").extractall(deps)
+if need:
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                           "--no-index", "--target", deps, *need])
+print("installed into", deps, ":", [os.path.basename(w).split("-")[0] for w in need])
+EOF
+export PYTHONPATH=$PWD:$deps${PYTHONPATH:+:$PYTHONPATH}
+echo "install: $((SECONDS - t0))s"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -2
+nproc
+timeout 420 python3 scripts/sglang_stack.py --round-mib 2048 --page-mib 8 --runs 5 \
+  --file-round-mib 256 --switch-interval-ms 0.5 --inject-rounds 3 --store /tmp \
+  --json "$out/stack.json" "$@" > "$out/stack.log" 2>&1
+echo "sglang_stack rc=$? in $((SECONDS - t0))s"
+grep -v "^INFO\|Warning\|warnings.warn" "$out/stack.log" | tail -n 40
