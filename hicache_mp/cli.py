@@ -133,6 +133,10 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, metavar="PATH.png",
                    help="draw TTFT distributions and per-op prefetch GB/s per backend "
                         "(needs matplotlib: pip install -e .[plot])")
+    p.add_argument("--scheduler-idle-sleep0", action="store_true",
+                   help="every storage run's loop does what SGLang 0.5.23's on_idle does: "
+                        "time.sleep(0) in a step with nothing to run while prefetches wait "
+                        "(labels get '+sleep0'); off: the loop of earlier SGLang versions")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="run nothing: print one comparison table and verdict from --json reports "
                         "of the same workload run in parts (e.g. one backend per call on a shared "
@@ -234,6 +238,9 @@ def bench_config(args):
         runs, yield_ms = (fast_files if backend == "fast_file" else (backend,)), 0.0
     if args.num_requests < 1:
         raise SystemExit("--num-requests must be at least 1")
+    if args.scheduler_idle_sleep0:
+        from hicache_mp.sim.bench import SLEEP0
+        runs = tuple(r if r == "none" else r + SLEEP0 for r in runs)
     options = engine_options(args)
     # BenchConfig keeps these three apart: they name its runs in the report.
     workers, policy = options.pop("num_workers"), options.pop("prefetch_policy")

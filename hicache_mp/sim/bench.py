@@ -83,8 +83,11 @@ def fast_file_label(read_workers: int) -> str:
     return "fast_file" if read_workers == 1 else f"fast_file-r{read_workers}"
 
 
+SLEEP0 = "+sleep0"   # label suffix: the loop does SGLang 0.5.23's on_idle time.sleep(0)
+
+
 def run_spec(label: str, yield_ms: float, write_workers: int = 1) -> tuple[str, float, dict]:
-    """(storage backend, yield ms, backend options) of a run label."""
+    """(storage backend, yield ms, backend options) of a run label (without SLEEP0)."""
     if label == "file+yield":
         return "file", yield_ms, {}
     if label == "fast_file" or label.startswith("fast_file-r"):
@@ -249,7 +252,9 @@ class Bench:
 
     def run_backend(self, label: str, store: str) -> RunResult:
         cfg = self.cfg
-        backend, yield_ms, options = run_spec(label, cfg.yield_ms, cfg.fast_file_write_workers)
+        sleep0 = label.endswith(SLEEP0)
+        backend, yield_ms, options = run_spec(label[:-len(SLEEP0)] if sleep0 else label,
+                                              cfg.yield_ms, cfg.fast_file_write_workers)
         if backend == "none":
             keys = [k for r in self.requests for k in r.page_keys(cfg.page_size)]
             engine = InstantStore(keys, self.geometry.page_bytes)
@@ -271,7 +276,7 @@ class Bench:
             sched = Scheduler(label, engine, self.requests, SchedulerConfig(
                 page_size=cfg.page_size, compute=self.compute, max_in_flight=MAX_IN_FLIGHT,
                 arrival_scale=self.arrival_scale, policy=cfg.policy, timeout_s=cfg.timeout_s,
-                yield_ms=yield_ms, host_slots=self.pool_pages,
+                yield_ms=yield_ms, idle_sleep0=sleep0, host_slots=self.pool_pages,
                 key_salt=f"{self.nonce}.{label}:", verify=cfg.verify,
                 page_bytes_gen=self.pagebytes, max_run_s=cfg.max_run_s, loader=loader,
                 progress=lambda done, total, t: self._progress(label, engine, done, total, t)))

@@ -12,6 +12,7 @@ FLAGS = ("--quick", "--hicache-storage-backend", "--hicache-mp-workers",
          "--hicache-mem-layout", "--storage-dir", "--scheduler-yield-ms", "--num-requests",
          "--seed", "--host-pool-pages", "--json", "--plot", "--no-verify", "--device-load",
          "--fast-file-read-workers", "--fast-file-write-workers", "--merge",
+         "--scheduler-idle-sleep0",
          # storage flags (hicache_mp.config.add_engine_flags)
          "--hicache-mp-direct-io", "--hicache-mp-io-depth", "--hicache-mp-fsync",
          "--hicache-mp-backup-budget-pages",
@@ -96,3 +97,25 @@ def test_merge_prints_one_table_from_reports_run_apart(tmp_path, capsys):
     (tmp_path / "other.json").write_text(json.dumps(other))
     assert cli.main(["bench", "--merge", paths[0], str(tmp_path / "other.json")]) == 2
     assert "reports differ in num_requests" in capsys.readouterr().err
+
+
+def test_idle_sleep0_runs_are_labelled_and_yield_in_idle_steps(tmp_path, monkeypatch):
+    import time as time_mod
+
+    from hicache_mp.sim import scheduler
+    cfg = cli.bench_config(cli.build_parser().parse_args(
+        ["bench", "--scheduler-idle-sleep0", "--fast-file-read-workers", "1,2"]))
+    assert cfg.runs == ("none", "file+sleep0", "file+yield+sleep0", "fast_file+sleep0",
+                        "fast_file-r2+sleep0", "mp+sleep0")
+    calls = []
+    real_sleep = time_mod.sleep
+    monkeypatch.setattr(scheduler.time, "sleep", lambda s: (calls.append(s), real_sleep(s)))
+    path = tmp_path / "r.json"
+    base = ["bench", "--quick", "--num-requests", "3", "--hicache-storage-backend", "file",
+            "--storage-dir", str(tmp_path / "s"), "--json", str(path)]
+    assert cli.main(base) == 0
+    assert 0 not in calls                # the stock loop never yields
+    assert cli.main(base + ["--scheduler-idle-sleep0"]) == 0
+    rep = json.loads(path.read_text())
+    assert list(rep["runs"]) == ["file+sleep0"] and rep["runs"]["file+sleep0"]["backend"] == "file"
+    assert calls.count(0) > 0            # sleep(0) in steps with nothing to run
