@@ -109,22 +109,32 @@ def stacks():
         s.close()
 
 
+def tokens(pool, pages):
+    """SGLang's host_indices for whole pages: page_size token slots per page."""
+    P_ = pool.page_size
+    return torch.cat([torch.arange(p * P_, (p + 1) * P_, dtype=torch.int64) for p in pages])
+
+
+def slot_tensor(slots):
+    return torch.tensor(list(slots), dtype=torch.int64)
+
+
 def keys_for(n, tag="h"):
     return [f"{tag}{i:04d}" for i in range(n)]
 
 
 def kv_t(stack, keys, pages):
-    return PoolTransfer(name=PoolName.KV, keys=keys, host_indices=stack.kv.token_indices(pages))
+    return PoolTransfer(name=PoolName.KV, keys=keys, host_indices=tokens(stack.kv, pages))
 
 
 def tok_t(name, pool, keys, pages, policy=ALL):
-    return PoolTransfer(name=name, keys=keys, host_indices=pool.token_indices(pages),
+    return PoolTransfer(name=name, keys=keys, host_indices=tokens(pool, pages),
                         hit_policy=policy)
 
 
 def mamba_t(stack, keys, slots):
     return PoolTransfer(name=PoolName.MAMBA, keys=keys,
-                        host_indices=stack.mamba.slot_indices(slots), hit_policy=TRAIL)
+                        host_indices=slot_tensor(slots), hit_policy=TRAIL)
 
 
 def page_bytes(pool, index):
@@ -193,7 +203,7 @@ def test_roundtrip_every_pool_kind(make, stacks):
                          tok_t(PoolName.INDEXER, dst.indexer, keys, into),
                          tok_t(PoolName.DEEPSEEK_V4_C4, dst.c4, keys, into)])
     assert all(all(v) for v in r.values()) and len(r) == 4
-    assert b2.batch_get_v1(keys, dst.kv.token_indices(into)) == [True] * 3
+    assert b2.batch_get_v1(keys, tokens(dst.kv, into)) == [True] * 3
     assert torch.equal(page_bytes(dst.mamba, 2), page_bytes(src.mamba, 6))
     for a, z in zip(pages, into):
         for name in ("kv", "swa", "indexer", "c4"):
@@ -299,7 +309,7 @@ def test_missing_sidecar_page_is_false_never_an_exception(make, stacks):
     r = b.batch_get_v2([tok_t(PoolName.SWA, s.swa, keys, [0, 1, 2]),
                         mamba_t(s, keys[:1], [0]),
                         PoolTransfer(name=PoolName.INDEXER, keys=keys,
-                                     host_indices=s.indexer.token_indices([0])),  # too few
+                                     host_indices=tokens(s.indexer, [0])),  # too few
                         PoolTransfer(name="not_registered", keys=keys,
                                      host_indices=torch.arange(3))])
     assert r == {PoolName.SWA: [False] * 3, PoolName.MAMBA: [False],

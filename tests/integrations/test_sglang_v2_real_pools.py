@@ -1,0 +1,118 @@
+"""The v2 differential test again, on SGLang 0.5.23's REAL host pools.
+
+MambaPoolHost, MHATokenToKVPoolHost (KV and SWA), MLATokenToKVPoolHost (a
+DeepSeek V4 compressed pool) and DSAIndexerPoolHost, built on CPU with
+SGLang's shm allocator (`sglang_real_pools`; its docstring says what must be
+installed, and why no torchvision is needed). Skipped, naming the missing
+module, where the pool classes cannot be imported (CI installs SGLang with
+--no-deps only).
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sglang_real_pools as real  # noqa: E402
+
+try:
+    S = real.load()
+except Exception as exc:  # ImportError, or a broken module on the chain
+    pytest.skip(f"SGLang's host-pool classes cannot be imported here ({exc}); see "
+                f"tests/integrations/sglang_real_pools.py", allow_module_level=True)
+
+from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402
+
+from hicache_mp.integrations import sglang_sidecar  # noqa: E402
+from test_sglang_v2 import (make, page_bytes, queries, write_scenario,  # noqa: E402,F401
+                            kv_t, mamba_t, tok_t, keys_for, TRAIL)
+
+
+class RealStack:
+    """One rank's real host pools: KV (MHA), Mamba, SWA (MHA), DSA indexer, C4 (MLA)."""
+
+    def __init__(self, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.kv = real.mha_pool(S, layout="layer_first")
+        self.mamba = real.mamba_pool(S)
+        self.swa = real.mha_pool(S, layout="page_first")
+        self.anchor = real.mla_pool(S, layout="page_first")
+        self.indexer = real.dsa_indexer_pool(S, self.anchor)
+        self.c4 = real.mla_pool(S, layout="layer_first")
+        for pool, _ in self.entries():
+            real.fill_random(pool, g)
+
+    def entries(self):
+        return [(self.kv, PoolName.KV), (self.mamba, PoolName.MAMBA), (self.swa, PoolName.SWA),
+                (self.indexer, PoolName.INDEXER), (self.c4, PoolName.DEEPSEEK_V4_C4)]
+
+
+@pytest.mark.parametrize("build", [
+    lambda: real.mamba_pool(S), lambda: real.mamba_pool(S, layout="page_first_direct"),
+    lambda: real.mha_pool(S, layout="layer_first"), lambda: real.mha_pool(S, layout="page_first"),
+    lambda: real.mha_pool(S, layout="page_first_direct"),
+    lambda: real.mha_pool(S, layout="page_head"),
+    lambda: real.mla_pool(S, layout="layer_first"), lambda: real.mla_pool(S, layout="page_first"),
+    lambda: real.mla_pool(S, layout="page_first_direct"),
+    lambda: real.dsa_indexer_pool(S, real.mla_pool(S, layout="page_first")),
+    lambda: real.dsa_indexer_pool(S, real.mla_pool(S, layout="layer_first")),
+], ids=["mamba", "mamba_direct", "mha_lf", "mha_pf", "mha_pfd", "mha_ph", "mla_lf", "mla_pf",
+        "mla_pfd", "dsa_pf", "dsa_lf"])
+def test_batched_copies_are_sglangs_own_pages(build):
+    pool = build()
+    real.fill_random(pool, torch.Generator().manual_seed(3))
+    layout = sglang_sidecar.plan(pool)
+    assert layout.batched, layout.describe()
+    P = pool.page_size
+    index = torch.tensor([5, 0, 3]) * P
+    out = torch.zeros(3, layout.page_bytes, dtype=torch.uint8)
+    layout.gather(index, out)
+    for i, idx in enumerate(index.tolist()):
+        assert torch.equal(out[i], page_bytes(pool, idx)), i
+    dst = torch.tensor([1, 2, 4]) * P
+    layout.scatter(dst, out)
+    for i in range(3):
+        assert torch.equal(page_bytes(pool, int(dst[i])), out[i]), i
+        # and SGLang's own restore of the same bytes gives the same pool bytes
+        pool.set_from_flat_data_page(int(dst[i]), pool.get_data_page(int(index[i])))
+        assert torch.equal(page_bytes(pool, int(dst[i])), out[i]), i
+
+
+def test_same_answers_and_bytes_as_file_on_real_pools(make, tmp_path):  # noqa: F811
+    keys = keys_for(8)
+    src_f, src_m = RealStack(0), RealStack(0)
+    fb = make("file", src_f, store_dir=str(tmp_path / "file"))
+    mb = make("mp", src_m, store_dir=str(tmp_path / "mp"))
+    assert write_scenario(fb, src_f, keys) == write_scenario(mb, src_m, keys)
+    for q_keys, transfers in queries(src_m, keys):
+        want = fb.batch_exists_v2(q_keys, transfers)
+        got = mb.batch_exists_v2(q_keys, transfers)
+        assert (got.kv_hit_pages, got.extra_pool_hit_pages, got.restorable_prefix_pages) == \
+               (want.kv_hit_pages, want.extra_pool_hit_pages, want.restorable_prefix_pages)
+    dst_f, dst_m = RealStack(5), RealStack(5)
+    fb2 = make("file", dst_f, store_dir=str(tmp_path / "file"))
+    mb2 = make("mp", dst_m, store_dir=str(tmp_path / "mp"))
+    into = [6, 7, 8, 9, 10, 11]
+
+    def reads(b, s):
+        return (b.batch_get_v2([kv_t(s, keys[:6], into)]),
+                b.batch_get_v2([tok_t(PoolName.INDEXER, s.indexer, keys[:6], into),
+                                mamba_t(s, keys[4:5], [3]),
+                                tok_t(PoolName.SWA, s.swa, keys[2:4], into[:2], TRAIL),
+                                tok_t(PoolName.DEEPSEEK_V4_C4, s.c4, keys[:3], into[:3])]))
+
+    got = reads(mb2, dst_m)
+    assert got == reads(fb2, dst_f)
+    kv, side = got
+    assert kv == {PoolName.KV: [True] * 6}
+    assert side == {PoolName.INDEXER: [True] * 6, PoolName.MAMBA: [True], PoolName.SWA: [True] * 2,
+                    PoolName.DEEPSEEK_V4_C4: [False] * 3}   # never written
+    for name in ("kv", "swa", "indexer", "c4"):
+        pool_f, pool_m = getattr(dst_f, name), getattr(dst_m, name)
+        for z in into:
+            assert torch.equal(page_bytes(pool_f, z * pool_f.page_size),
+                               page_bytes(pool_m, z * pool_m.page_size)), (name, z)
+    for slot in range(6):
+        assert torch.equal(page_bytes(dst_f.mamba, slot), page_bytes(dst_m.mamba, slot))
+    assert all(p["batched"] for p in mb2.metrics()["sidecar_pools"].values())
