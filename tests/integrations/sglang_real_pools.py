@@ -1,94 +1,31 @@
 """SGLang 0.5.23's REAL hybrid host pools, built on a CPU machine where possible.
 
-`sglang.srt.mem_cache.pool_host` imports `sglang.srt.configs` -> transformers,
-and `sglang/srt/multimodal/internvl_utils.py` then does `import
-torchvision.transforms`. On torch 2.13.0+cpu no torchvision from PyPI loads
-(the 0.28.0 wheel is the CUDA build: "operator torchvision::nms does not
-exist"). Nothing on the host-pool path uses torchvision, so when it cannot be
-imported, `load()` puts an empty stand-in for the `torchvision` package on the
-import path (with a distribution record so transformers' version check
-passes); nothing of torchvision is ever called. With transformers and the
-few other modules of that import chain present, the pool classes then import
-and build for real on CPU, with SGLang's own shm allocator (memfds):
-
-    pip install --target DIR --no-deps transformers==5.19.0 huggingface-hub \
-        tokenizers safetensors regex pyyaml filelock fsspec hf-xet dill \
-        apache-tvm-ffi sentencepiece compressed-tensors loguru
-    PYTHONPATH=DIR python3 -m pytest tests/integrations/test_sglang_v2_real_pools.py
-
-(checked with transformers 5.24.0 and huggingface-hub 2.4.0 from a plain
-`pip install --target DIR transformers`). Where these are missing, `load()`
-raises ImportError naming the first missing module; the tests skip with it.
+The import chain is scripts/sglang_real.py's (`import_stack()`: transformers
+and the modules of .ci/sglang-stack-requirements.txt, and a placeholder for
+torchvision's import-time-only uses where no torchvision loads). On top of
+it this module imports and builds the sidecar pools: `MambaPoolHost`,
+`DSAIndexerPoolHost`, and MHA/MLA host pools in every layout, each with
+SGLang's own shm allocator (memfds). Where the chain cannot be imported,
+`load()` raises the ImportError naming the first missing module.
 
 The DSA indexer host pool reads only attributes of its device pool
 (`DSATokenToKVPool`, a CUDA pool); `dsa_device_pool()` gives it those
 attributes on CPU tensors. Every other object here is SGLang's own class.
 """
-import importlib.abc
-import importlib.machinery
-import importlib.metadata
+import os
 import sys
-import types
 from types import SimpleNamespace
 
 import torch
 
-
-class _EmptyModule(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        sub = _EmptyModule(f"{self.__name__}.{name}")
-        sys.modules[sub.__name__] = sub
-        return sub
-
-    def __call__(self, *args, **kwargs):
-        return self
-
-
-class _TorchvisionDist(importlib.metadata.Distribution):
-    def read_text(self, filename):
-        if filename == "METADATA":
-            return "Metadata-Version: 2.1\nName: torchvision\nVersion: 0.0.0\n"
-        return None
-
-    def locate_file(self, path):
-        return path
-
-
-class _EmptyTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path=None, target=None):
-        if name == "torchvision" or name.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        return _EmptyModule(spec.name)
-
-    def exec_module(self, module):
-        module.__path__ = []
-
-    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
-        if context.name in (None, "torchvision"):
-            return iter([_TorchvisionDist()])
-        return iter([])
-
-
-def _torchvision_loads() -> bool:
-    try:
-        import torchvision  # noqa: F401
-        return True
-    except Exception:
-        for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
-            del sys.modules[name]
-        return False
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "scripts"))
+import sglang_real  # noqa: E402
 
 
 def load() -> SimpleNamespace:
     """SGLang's real host-pool classes (ImportError if they cannot be imported here)."""
-    if not _torchvision_loads() and not any(isinstance(f, _EmptyTorchvision)
-                                            for f in sys.meta_path):
-        sys.meta_path.insert(0, _EmptyTorchvision())
+    sglang_real.import_stack()
     from sglang.srt.mem_cache.device_pool_info import (KVBufferLayout, KVBuffers,
                                                        MambaStateBufferInfo, MHABufferInfo,
                                                        MLABufferInfo)

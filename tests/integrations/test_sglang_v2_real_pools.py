@@ -3,9 +3,8 @@
 MambaPoolHost, MHATokenToKVPoolHost (KV and SWA), MLATokenToKVPoolHost (a
 DeepSeek V4 compressed pool) and DSAIndexerPoolHost, built on CPU with
 SGLang's shm allocator (`sglang_real_pools`; its docstring says what must be
-installed, and why no torchvision is needed). Skipped, naming the missing
-module, where the pool classes cannot be imported (CI installs SGLang with
---no-deps only).
+installed: .ci/sglang-stack-requirements.txt, no torchvision). Skipped, naming
+the missing module, where the pool classes cannot be imported.
 """
 import os
 import sys
@@ -19,8 +18,9 @@ import sglang_real_pools as real  # noqa: E402
 try:
     S = real.load()
 except Exception as exc:  # ImportError, or a broken module on the chain
-    pytest.skip(f"SGLang's host-pool classes cannot be imported here ({exc}); see "
-                f"tests/integrations/sglang_real_pools.py", allow_module_level=True)
+    pytest.skip(f"SGLang's host-pool classes cannot be imported here ({exc}); install "
+                f"`pip install --no-deps -r .ci/sglang-stack-requirements.txt`",
+                allow_module_level=True)
 
 from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402
 
