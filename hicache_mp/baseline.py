@@ -1,8 +1,9 @@
 """ThreadedFileEngine: the `file` baseline, reading on a Python thread in-process.
 
 It reproduces how SGLang's HiCacheFile backend moves pages, so the two can be
-compared in one run: for each page a temporary tensor, an `open`, `readinto`
-into that tensor, then a copy into the host pool; writes copy the page out
+compared in one run: for each page the hit query's `os.path.isfile`, a
+temporary tensor, an `open`, `readinto` into that tensor, then a copy into
+the host pool; writes copy the page out
 and write it. The I/O runs on Python threads inside the scheduler process, so
 every step needs the GIL, which a busy scheduler loop rarely lets go. Same
 API, same file format and same host pool as `PrefetchEngine`.
@@ -68,6 +69,10 @@ class ThreadedFileEngine(EngineCore):
 
     def _read(self, op: Op, pos: int) -> tuple[int, int]:
         path = naming.page_path(self.config.storage_dir, op.digests[pos])
+        # SGLang's hit query (`_storage_hit_query` -> HiCacheFile.batch_exists: one
+        # os.path.isfile per page) runs before the read; here on the same thread.
+        if not os.path.isfile(path):
+            return st.MISS, 0
         tmp = torch.empty(self._numel, dtype=self._dtype)   # per page, as SGLang's file backend
         try:
             with open(path, "rb", buffering=0) as f:

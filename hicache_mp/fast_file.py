@@ -5,10 +5,13 @@ fast_file_store.py). This module moves pages the way it does, inside the
 scheduler process on Python threads, so `mp` can be measured against it in one
 run. What each part stands for:
 
-- `_prefetch_loop` / `_backup_loop`: HiCacheController's `prefetch_io_aux_func`
-  and backup thread; each op is cut into `STORAGE_BATCH_SIZE` (128) page batches
-  (`_page_transfer`, `_page_backup`), the op is checked for termination before
-  each batch, and a batch's pages complete together (one PrefetchAck per batch).
+- `_loop`: HiCacheController's prefetch threads (`prefetch_thread_func`, whose
+  `_storage_hit_query` is `_hit_query` here, then `prefetch_io_aux_func`) and
+  its backup thread; each op is cut into `STORAGE_BATCH_SIZE` (128) page
+  batches (`_page_transfer`, `_page_backup`), the op is checked for
+  termination before each batch, and a batch's pages complete together (one
+  PrefetchAck per batch). The hit query runs on the same thread as the reads
+  (SGLang hands the op from one thread to the next: that hand-off is spared).
 - `_transfer`: `HiCacheFastFile._transfer_pages` (`batch_get_v1` / `batch_set_v1`):
   one iovec list per page over the host pool's own memory (`_pool_page_buffers`)
   for the page-first layouts, a staged tensor copy otherwise (`_staged_read_page`).
@@ -97,6 +100,8 @@ class FastFileEngine(EngineCore):
             if op is None:
                 return
             todo = [pos for pos in range(op.num_pages) if op.page_status[pos] == st.PENDING]
+            if kind == READ and todo and not (op._cancelled or self._stopping):
+                todo = self._hit_query(op, todo)
             for i in range(0, len(todo), STORAGE_BATCH_SIZE):
                 batch = todo[i:i + STORAGE_BATCH_SIZE]
                 t0 = time.perf_counter_ns()
@@ -107,6 +112,28 @@ class FastFileEngine(EngineCore):
                 per_page = (time.perf_counter_ns() - t0) // len(batch)
                 self._done.append((op, batch, results, per_page))
                 self._signal.set()
+
+    def _hit_query(self, op: Op, todo: list) -> list:
+        """The controller's `_storage_hit_query` before a prefetch is read: the
+        PR's `batch_exists` (`_collect_existing_component_keys`: one
+        `os.path.exists` per page, on the read pool) per 128-page batch, up to
+        the first absent page. Pages past it are not read (SGLang truncates the
+        op to its hits): they end CANCELLED, which leaves the index alone."""
+        hits = 0
+        for i in range(0, len(todo), STORAGE_BATCH_SIZE):
+            paths = [self._path(op.digests[pos]) for pos in todo[i:i + STORAGE_BATCH_SIZE]]
+            present = self._map_on(self._read_executor, self.read_workers, os.path.exists, paths)
+            run = next((j for j, ok in enumerate(present) if not ok), len(present))
+            hits += run
+            if run < len(present):
+                break
+        if hits < len(todo):
+            # The first absent page is still read, so it ends MISS and the index heals.
+            rest = todo[hits + 1:]
+            self._done.append((op, rest, [(st.CANCELLED, 0)] * len(rest), 0))
+            self._signal.set()
+            return todo[:hits + 1]
+        return todo
 
     def _transfer(self, op: Op, batch: list, read: bool) -> list:
         digests = [op.digests[pos] for pos in batch]
