@@ -83,6 +83,10 @@ BACKUP_BUDGET_HELP = ("host pages that backups may hold at once (0 = the whole h
                       "serving engine should keep room for prefetches, e.g. half the pool); "
                       "pages of a backup beyond it are dropped at once with status 'dropped', "
                       "never queued, so backup() never stalls")
+STALL_HELP = ("seconds a single page I/O may run before its worker is judged stuck (a hung "
+              "network filesystem, a dead disk): its pages fail at once, their host slots stay "
+              "reserved until the worker is killed and gone, and a replacement starts. Keep it "
+              "well above the slowest healthy page I/O")
 
 
 @dataclass
@@ -141,6 +145,8 @@ class EngineConfig:
                                        "often", sglang=True, lo=0)
     worker_start_timeout_s: float = setting(60.0, "how long a worker may take to start", lo=0,
                                             lo_open=True)
+    stall_timeout_s: float = setting(30.0, STALL_HELP, flag="--hicache-mp-stall-timeout",
+                                     sglang=True, lo=0, lo_open=True, metavar="S")
 
     def __post_init__(self):
         if not self.storage_dir:

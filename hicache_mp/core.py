@@ -122,6 +122,7 @@ class EngineCore:
         self._forked = False
         self._sleepers = 0             # threads inside _sleep_for_completion
         self._sleepers_gone = threading.Condition(self._lock)
+        self._closing = False          # close() is flushing backups: no new work
         self._logged_causes: set = set()
         self._start_ns = time.perf_counter_ns()
         self._last_rescan = time.monotonic()
@@ -352,11 +353,16 @@ class EngineCore:
             out.update(self._io_metrics(now))
             return out
 
-    def close(self) -> None:
-        """Stop the workers and release every segment. Safe from any thread of the
-        owning process; threads waiting in `wait()` then get EngineClosed."""
+    def close(self, flush: bool = True, timeout_s: float = 30.0) -> None:
+        """Stop the I/O and release everything. With `flush` (the default, like
+        Executor.shutdown(wait=True)) backups in flight are first let finish, for
+        up to `timeout_s` in all, so leaving a `with` block right after backup()
+        loses nothing; pages still unwritten then, and every prefetch in flight,
+        end CANCELLED. New work is refused from the moment close() starts."""
         if self._forked:
             self._refuse_in_child()
+        if flush:
+            self._flush(timeout_s)
         with self._lock:
             if self._closed:
                 return
@@ -377,6 +383,20 @@ class EngineCore:
                 self._released = True
                 self._release_shm()
 
+    def _flush(self, timeout_s: float) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closing = True
+            writes = [op for op in self._ops.values() if op.kind == WRITE]
+        deadline = time.monotonic() + timeout_s
+        for op in writes:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.wait(op, left):
+                log.warning("hicache_mp close(): backups not flushed after %ss; the rest are "
+                            "cancelled", timeout_s)
+                return
+
     def __enter__(self):
         return self
 
@@ -391,7 +411,7 @@ class EngineCore:
     def _start(self, kind, keys, host_pages, policy, timeout_s) -> Op:
         if self._forked:
             self._refuse_in_child()
-        if self._closed:
+        if self._closed or self._closing:
             raise EngineClosed("engine is closed")
         if timeout_s is not None:
             finite = check_timeout(timeout_s)
@@ -406,7 +426,7 @@ class EngineCore:
         ns = self.namespace
         digests = [naming.key_digest(k, ns) for k in keys]  # raises ValueError on a bad key
         with self._lock:
-            if self._closed:
+            if self._closed or self._closing:
                 raise EngineClosed("engine is closed")
             if len(pages):
                 busy = self._reserved[pages] | (self._slot_op[pages] != 0)

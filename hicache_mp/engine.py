@@ -29,11 +29,19 @@ and semaphore is named ``hicache_mp.<pid>.<random>.*`` and unlinked by
 orphaned workers when this process dies, and by `clean_stale()` at the next
 start otherwise.
 
-Failure states:
+Failure states (checked every HEALTH_CHECK_S from poll(), never blocking it):
   - a worker dies: its unfinished pages end WORKER_DIED (ops end partial or
-    failed), it is replaced, the next prefetch works;
-  - it cannot be replaced: the engine is broken (`BrokenPool`), and says so on
-    every later call.
+    failed); a replacement starts in the background and takes work once
+    ready, meanwhile new pages go to the other workers;
+  - a worker is stuck (watchdog: one page I/O older than `stall_timeout_s`,
+    from the per-lane heartbeat in the control block): it is SIGKILLed, every
+    page it still holds ends WORKER_DIED at once (counted in `stalled_pages`),
+    and it is replaced as above. Its pages' host slots stay reserved (fenced)
+    until the killed process is reaped: a page reported failed is never
+    written into its slot later, whatever the kernel finishes meanwhile;
+  - a replacement cannot be started: the pool is broken (`BrokenPool`, one
+    terminal state in workers.pool), and every later prefetch or backup
+    says so; a healthy engine never does.
 """
 import os
 import signal
@@ -44,13 +52,15 @@ import numpy as np
 
 from shm import PageGeometry, WakeSemaphore, clean_stale, new_owner_tag
 from shm.hostpool import HostPool
-from shm.ring import KIND_PROBE, KIND_READ, KIND_WRITE, RECORD_DTYPE
+from shm.ring import KIND_PROBE, KIND_READ, KIND_WRITE, RECORD_DTYPE, ring_bytes
+from shm.segment import check_room
 from workers import directio, naming, pagefile
 from workers import status as st
-from workers.control import BUSY_NS, BYTES, MAX_BYTES, MIN_FREE, PAGES, READS_SUBMITTED, STOP, \
-    WAITERS, Control
-from workers.evictor import EvictorProcess, headroom_bytes
+from workers.control import BUSY_NS, BYTES, CONTROL_BYTES, MAX_BYTES, MIN_FREE, PAGES, \
+    READS_SUBMITTED, STOP, WAITERS, Control
+from workers.evictor import EVICT_RING_CAPACITY, EvictorProcess, headroom_bytes
 from workers.pool import BrokenPool, WorkerPool, worker_cpus
+from workers.spec import WorkerSpec
 
 from .config import EngineConfig
 from .core import EngineCore, check_timeout, log
@@ -86,7 +96,9 @@ class PrefetchEngine(EngineCore):
         self._segments = []
         self.pool = None
         self.evictor = None
-        self.broken: BaseException | None = None
+        self._fences: list = []     # (killed stuck worker, host slots held until it is reaped)
+        self._stuck_workers = 0
+        self._stalled_pages = 0
         self.shared_pool = pool_fd is not None
         self.direct_io, self.direct_io_reason = directio.resolve(
             config.direct_io, config.storage_dir, geometry, config.host_pool_pages,
@@ -96,6 +108,15 @@ class PrefetchEngine(EngineCore):
             # unaligned geometry (small test pages) is expected, so only info.
             fs_refused = self.direct_io_reason.startswith("buffered I/O: O_DIRECT on")
             (log.warning if fs_refused else log.info)("hicache_mp: %s", self.direct_io_reason)
+        workers = config.resolved_workers()
+        ring_capacity = config.resolved_ring_capacity(workers)
+        # Everything this engine puts in /dev/shm, counted before any of it is made:
+        # each segment is allocated in full at creation (shm.segment), so what fits
+        # now can never be taken away by another process filling /dev/shm later.
+        check_room(shm_bytes(geometry.pool_bytes(config.host_pool_pages) if pool_fd is None
+                             else 0, workers, ring_capacity, config.capacity_limited),
+                   f"this engine's shared memory (host pool, control block, rings of "
+                   f"{workers} workers)")
         try:
             own_fd = None
             if pool_fd is not None:
@@ -115,8 +136,9 @@ class PrefetchEngine(EngineCore):
             self._pins = self.control.pins  # the evictor reads the same table
             self.done_sem = WakeSemaphore(self.tag + ".done", create=True)
             self._segments.append(self.done_sem)
-            workers = config.resolved_workers()
-            capacity = {}
+            headroom = 0
+            orphan_shm = [self.host_pool.name, self.control.name]
+            orphan_sem = [self.done_sem.name]
             if config.capacity_limited:
                 file_bytes = pagefile.HEADER_SIZE + geometry.page_bytes
                 headroom = headroom_bytes(config.storage_max_bytes, config.storage_min_free_bytes,
@@ -133,32 +155,30 @@ class PrefetchEngine(EngineCore):
                                               headroom=headroom)
                 self._segments.append(self.evictor)
                 self.evictor.start(config.worker_start_timeout_s)
-                capacity = {"capacity": True, "evict_sem": self.evictor.wake.name,
-                            "evict_headroom": headroom,
-                            "orphan_extra_shm": [self.evictor.ring.name],
-                            "orphan_extra_sem": [self.evictor.wake.name]}
-            worker_config = {
-                "pool_name": self.host_pool.name, "pool_pages": config.host_pool_pages,
-                "geometry": geometry.to_dict(), "populate": config.populate,
-                "storage_dir": config.storage_dir, "verify_checksum": config.verify_checksum,
-                "write_checksum": config.write_checksum, "fsync": config.fsync,
-                "quarantine_bad_files": config.quarantine_bad_files,
-                "batch": config.worker_batch, "direct_io": self.direct_io,
-                "reads_per_write": config.reads_per_write,
-                "io_depth": config.resolved_io_depth(self.direct_io),
-                "num_workers": workers, **capacity,
-            }
-            if own_fd is not None:
-                worker_config["pool_fd"] = own_fd.fd
+                orphan_shm.append(self.evictor.ring.name)
+                orphan_sem.append(self.evictor.wake.name)
+            spec = WorkerSpec(
+                storage_dir=config.storage_dir, geometry=geometry.to_dict(),
+                pool_name=self.host_pool.name, pool_pages=config.host_pool_pages,
+                pool_fd=None if own_fd is None else own_fd.fd, populate=config.populate,
+                verify_checksum=config.verify_checksum, write_checksum=config.write_checksum,
+                fsync=config.fsync, quarantine_bad_files=config.quarantine_bad_files,
+                worker_batch=config.worker_batch, reads_per_write=config.reads_per_write,
+                direct_io=self.direct_io, io_depth=config.resolved_io_depth(self.direct_io),
+                num_workers=workers, capacity=config.capacity_limited,
+                evict_sem=self.evictor.wake.name if self.evictor else None,
+                evict_headroom=headroom, control=self.control.name, done_sem=self.done_sem.name,
+                ring_capacity=ring_capacity, orphan_shm=tuple(orphan_shm),
+                orphan_sem=tuple(orphan_sem))
             pin = worker_cpus() if config.pin_workers else None
             self.pool = WorkerPool(num_workers=workers, tag=self.tag, control=self.control,
-                                   done_sem=self.done_sem.name, worker_config=worker_config,
-                                   ring_capacity=config.resolved_ring_capacity(workers),
-                                   pin_cpus=pin, start_timeout_s=config.worker_start_timeout_s)
+                                   spec=spec, ring_capacity=ring_capacity, pin_cpus=pin,
+                                   start_timeout_s=config.worker_start_timeout_s)
         except BaseException:
             self._release_shm()
             raise
         self._rr = 0
+        self._evictor_failed = None
         self._last_health = time.monotonic()
         # Segments go even if the caller forgets close() or an exception unwinds.
         self._finalizer = weakref.finalize(self, _cleanup, os.getpid(), self.pool,
@@ -166,8 +186,7 @@ class PrefetchEngine(EngineCore):
 
     # --- hooks ----------------------------------------------------------------
     def _submit(self, op: Op) -> None:
-        if self.broken:
-            raise BrokenPool(f"engine is broken: {self.broken}")
+        self.pool.check()
         n = op.num_pages
         recs = np.zeros(n, dtype=RECORD_DTYPE)
         recs["op_id"] = op.id
@@ -175,13 +194,18 @@ class PrefetchEngine(EngineCore):
         recs["page_pos"] = np.arange(n, dtype=np.uint32)
         recs["kind"] = KIND_READ if op.kind == READ else KIND_WRITE
         recs["digest"] = np.frombuffer(b"".join(op.digests), dtype=np.uint8).reshape(n, 32)
-        workers = self.pool.workers
+        # Ready workers only; with none ready (all being replaced), pages wait in
+        # the replacements' rings (workers.pool).
+        workers = self.pool.usable() or self.pool.starting
+        if not workers:
+            raise BrokenPool("no worker can take work")
         nw = len(workers)
         # Stripe pages over workers, page j to worker (start + j) % nw, so every
         # worker walks its share in op order and the leading pages land first.
-        start = self._rr
+        start = self._rr % nw
         self._rr = (start + n) % nw
-        op.worker_of = ((np.arange(n) + start) % nw).astype(np.uint16)
+        index_of = np.array([h.index for h in workers], dtype=np.uint16)
+        op.worker_of = index_of[(np.arange(n) + start) % nw]
         rejected = []
         writes = op.kind != READ
         if writes and (op.page_status != st.PENDING).any():
@@ -216,7 +240,10 @@ class PrefetchEngine(EngineCore):
     def _probe(self, keys) -> set:
         """Hand probes for `keys` (the first is missing from the index) to the
         workers; the digests still unanswered among them (hicache_mp.discovery)."""
-        if self.broken or self.pool is None or self.pool.closed:
+        if self.pool is None or self.pool.closed or self.pool.broken:
+            return set()
+        workers = self.pool.usable()
+        if not workers:
             return set()
         ns, disc, now = self.namespace, self._discovery, time.monotonic()
         first = naming.key_digest(keys[0], ns)
@@ -232,7 +259,6 @@ class PrefetchEngine(EngineCore):
         recs["kind"] = KIND_PROBE
         recs["host_page"] = -1
         recs["digest"] = np.frombuffer(b"".join(ask), dtype=np.uint8).reshape(-1, 32)
-        workers = self.pool.workers
         nw = len(workers)
         sent = []
         for i in range(min(nw, len(ask))):
@@ -250,7 +276,8 @@ class PrefetchEngine(EngineCore):
             return 0
         n = 0
         for handle in self.pool.workers:
-            if handle.completion.pending():  # most polls find nothing: keep them to a load each
+            # Most polls find nothing: keep them to a load each.
+            if not handle.rings_closed and handle.completion.pending():
                 n += self._drain_ring(handle.completion)
         if self.evictor is not None and self.evictor.ring.pending():
             discard = self._index.digests.discard
@@ -258,7 +285,7 @@ class PrefetchEngine(EngineCore):
                 discard(digest.tobytes())
         if time.monotonic() - self._last_health > HEALTH_CHECK_S:
             self._last_health = time.monotonic()
-            self._replace_dead()
+            self._health()
         return n
 
     def _drain_ring(self, ring) -> int:
@@ -312,21 +339,59 @@ class PrefetchEngine(EngineCore):
             if op is not None:
                 self._apply(op, pos, code, io_ns, err, now, seq)
 
+    def _health(self) -> None:
+        """Watch the children: none of this waits for a process (module docstring)."""
+        self._replace_dead()
+        ready, failed = self.pool.poll_starting()
+        for handle in ready:
+            log.info("hicache_mp-worker-%d (pid %d) is ready", handle.index, handle.pid)
+        for handle in failed:
+            n = len(self._fail_pages(handle.index))
+            log.warning("hicache_mp-worker-%d's replacement did not start (%s); %d page(s) "
+                        "failed; trying again", handle.index, handle.start_error, n)
+            self._respawn(handle)
+        self._watchdog()
+        for handle in self.pool.reaped():
+            for h, slots in [f for f in self._fences if f[0] is handle]:
+                self._reserved[slots] = False
+            self._fences = [f for f in self._fences if f[0] is not handle]
+
+    def _fail_pages(self, index: int, fence: bool = False) -> np.ndarray:
+        """End every page still pending at worker `index` WORKER_DIED; their host
+        slots, which that worker may still write, when `fence`. Returns the slots."""
+        now = time.perf_counter_ns()
+        slots = []
+        for op in list(self._ops.values()):
+            lost = np.flatnonzero((op.worker_of == index) & (op.page_status == st.PENDING))
+            if not len(lost):
+                continue
+            slots.append(op.host_pages[lost])
+            for pos in lost.tolist():
+                self._apply(op, pos, st.WORKER_DIED, 0, 0, now)
+        slots = np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
+        if fence:
+            self._reserved[slots] = True
+        return slots
+
     def _replace_dead(self) -> None:
-        if self.evictor is not None and not self.evictor.alive() and not self.pool.closed:
-            log.warning("hicache_mp-evictor died with exit code %s; starting a replacement",
-                        self.evictor.proc.returncode if self.evictor.proc else None)
-            self.evictor.respawns += 1
-            self.evictor.start(self.config.worker_start_timeout_s)
+        ev = self.evictor
+        if ev is not None and not self.pool.closed:
+            if ev.child is not None and ev.child is not self._evictor_failed:
+                try:
+                    ev.check_start()
+                except RuntimeError as exc:
+                    log.error("hicache_mp-evictor: %s; storage limits are enforced by "
+                              "dropping writes only from now on", exc)
+                    self._evictor_failed = ev.child
+            if not ev.alive() and ev.child is not self._evictor_failed:
+                log.warning("hicache_mp-evictor died with exit code %s; starting a replacement",
+                            ev.proc.returncode if ev.proc else None)
+                ev.respawns += 1
+                ev.start(self.config.worker_start_timeout_s, wait=False)
         for handle in self.pool.dead():
-            self._drain_ring(handle.completion)  # what it finished before dying still counts
-            now = time.perf_counter_ns()
-            failed = 0
-            for op in list(self._ops.values()):
-                lost = np.flatnonzero((op.worker_of == handle.index) & (op.page_status == st.PENDING))
-                for pos in lost.tolist():
-                    self._apply(op, pos, st.WORKER_DIED, 0, 0, now)
-                failed += len(lost)
+            if not handle.rings_closed:
+                self._drain_ring(handle.completion)  # what it finished before dying still counts
+            failed = len(self._fail_pages(handle.index))
             log.warning("hicache_mp-worker-%d (pid %d) died with exit code %s; %d in-flight "
                         "page(s) failed; starting a replacement", handle.index, handle.pid,
                         handle.proc.returncode, failed)
@@ -335,11 +400,35 @@ class PrefetchEngine(EngineCore):
             # dead writers now rather than at the next start, and indexes pages it
             # renamed into place just before dying.
             self._start_rescan()
-            try:
-                self.pool.respawn(handle)
-            except BrokenPool as exc:
-                self.broken = exc
-                raise
+            self._respawn(handle)
+
+    def _watchdog(self) -> None:
+        """A worker with a page I/O older than stall_timeout_s is stuck (module docstring)."""
+        stalled = self.control.stalled(len(self.pool.workers), self.config.stall_timeout_s)
+        if not stalled.any():
+            return
+        for index in np.flatnonzero(stalled).tolist():
+            handle = self.pool.workers[index]
+            if handle.stuck or handle in self.pool.starting or not handle.alive():
+                continue
+            handle.stuck = True
+            handle.child.kill()
+            self._drain_ring(handle.completion)  # pages it did finish are good
+            slots = self._fail_pages(index, fence=True)
+            self._fences.append((handle, slots))
+            self._stuck_workers += 1
+            self._stalled_pages += len(slots)
+            log.error("hicache_mp-worker-%d (pid %d) is stuck: a page I/O has run over "
+                      "stall_timeout_s=%ss; killed, %d page(s) failed (their host slots stay "
+                      "reserved until it is gone); starting a replacement", index, handle.pid,
+                      self.config.stall_timeout_s, len(slots))
+            self._respawn(handle)
+
+    def _respawn(self, handle) -> None:
+        try:
+            self.pool.respawn(handle)
+        except BrokenPool as exc:
+            log.error("hicache_mp: %s; the engine takes no more work", exc)
 
     def abandon(self, op: Op, grace_s: float = 1.0) -> None:
         """EngineCore.abandon: after `grace_s` for workers to skip the cancelled
@@ -389,7 +478,8 @@ class PrefetchEngine(EngineCore):
         if self.pool is not None:
             self.pool.stop()
             for handle in self.pool.workers:  # pages finished before the stop still count
-                self._drain_ring(handle.completion)
+                if not handle.rings_closed:
+                    self._drain_ring(handle.completion)
             self.pool.close()
 
     def _wake_sleepers(self) -> None:
@@ -419,10 +509,16 @@ class PrefetchEngine(EngineCore):
             "worker_busy": [round(int(s[BUSY_NS]) / 1e9 / wall, 4) if wall else 0.0 for s in stats],
             "worker_pages": [int(s[PAGES]) for s in stats],
             "worker_bytes": [int(s[BYTES]) for s in stats],
-            "ring_depth": [h.submit.depth() + h.write.depth() for h in self.pool.workers]
-            if self.pool else [],
-            "write_ring_depth": [h.write.depth() for h in self.pool.workers] if self.pool else [],
+            "ring_depth": [0 if h.rings_closed else h.submit.depth() + h.write.depth()
+                           for h in self.pool.workers] if self.pool else [],
+            "write_ring_depth": [0 if h.rings_closed else h.write.depth()
+                                 for h in self.pool.workers] if self.pool else [],
             "respawns": self.pool.respawns if self.pool else 0,
+            "workers_starting": len(self.pool.starting) if self.pool else 0,
+            "stuck_workers": self._stuck_workers,
+            "stalled_pages": self._stalled_pages,
+            "fenced_pages": sum(len(s) for _, s in self._fences),
+            "broken": self.pool.broken if self.pool else None,
             "direct_io": self.direct_io,
             "direct_io_reason": self.direct_io_reason,
             "io_depth": self.config.resolved_io_depth(self.direct_io),
@@ -437,6 +533,15 @@ class PrefetchEngine(EngineCore):
             "probes_found": self._discovery.found,
             "shared_pool": self.shared_pool,
         }
+
+
+def shm_bytes(pool_bytes: int, workers: int, ring_capacity: int, evictor: bool) -> int:
+    """/dev/shm bytes an engine allocates: pool, control block, every worker's two
+    submit rings and completion ring (twice as long), the evict ring, and a
+    page per semaphore (tmpfs rounds each file up to one)."""
+    per_worker = 2 * ring_bytes(ring_capacity) + ring_bytes(2 * ring_capacity) + 4096
+    extra = ring_bytes(EVICT_RING_CAPACITY) + 4096 if evictor else 0
+    return pool_bytes + CONTROL_BYTES + workers * per_worker + extra + 4096
 
 
 class _OwnedFd:

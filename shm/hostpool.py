@@ -4,11 +4,8 @@ Owns the mapping of the pool and the views both sides use: torch views for
 the scheduler (`tensor`, `page_view`), byte iovecs for workers (`page_iovecs`).
 torch is imported lazily, on the scheduler side only. Must not do I/O.
 """
-import os
-
 from .geometry import PageGeometry
-from .names import SHM_DIR
-from .segment import Segment
+from .segment import Segment, check_room
 
 
 class HostPool:
@@ -19,7 +16,7 @@ class HostPool:
         self.geometry = geometry
         self.num_pages = num_pages
         if create and fd is None:
-            _check_fits(geometry.pool_bytes(num_pages))
+            check_room(geometry.pool_bytes(num_pages), "the host pool")
         self.segment = Segment(name, geometry.pool_bytes(num_pages), create=create,
                                populate=populate, fd=fd)
         self._mv = memoryview(self.segment.map)
@@ -71,19 +68,3 @@ class HostPool:
         self._mv.release()
         self.segment.close()
 
-
-def _check_fits(nbytes: int) -> None:
-    """Refuse a pool that cannot fit in shared memory, before creating it.
-
-    tmpfs lets ftruncate make a segment far larger than it can hold; the
-    workers' MAP_POPULATE would then exhaust memory (or take a SIGBUS) instead
-    of the caller getting a clear error about an absurd size.
-    """
-    try:
-        vfs = os.statvfs(SHM_DIR)
-    except OSError:
-        return  # no /dev/shm (another platform): nothing to check against
-    free = vfs.f_bavail * vfs.f_frsize
-    if nbytes > free:
-        raise ValueError(f"host pool of {nbytes / 2**30:.2f} GiB does not fit in {SHM_DIR} "
-                         f"({free / 2**30:.2f} GiB free): lower host_pool_pages or the page size")

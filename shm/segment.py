@@ -1,15 +1,48 @@
 """One POSIX shared-memory segment, mapped into this process.
 
 Owns create/attach/map/unlink of a single named region (or of a region handed
-over as a file descriptor, such as SGLang's memfd host pool). Must not know
-what the bytes mean: rings, pools and control blocks build on top.
+over as a file descriptor, such as SGLang's memfd host pool), and the room
+check for /dev/shm. Must not know what the bytes mean: rings, pools and
+control blocks build on top.
+
+Every segment this module creates is allocated in full at creation
+(posix_fallocate): tmpfs lets ftruncate make a segment larger than the room it
+has, and a process that later touches a page tmpfs cannot supply dies of
+SIGBUS. Allocated up front, a full /dev/shm is an error at creation
+(ShmFullError), and nothing another process puts in /dev/shm later can take
+those pages away.
 """
+import errno
 import mmap
 import os
 
 import posix_ipc
 
 DEFAULT_MODE = 0o600
+SHM_DIR = "/dev/shm"
+
+
+class ShmFullError(OSError):
+    """/dev/shm has no room for what an engine needs (raised before any worker starts)."""
+
+
+def shm_free_bytes() -> int | None:
+    """Bytes free in /dev/shm, or None where there is none (another platform)."""
+    try:
+        vfs = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return vfs.f_bavail * vfs.f_frsize
+
+
+def check_room(nbytes: int, what: str) -> None:
+    """ValueError if `nbytes` more cannot fit in /dev/shm now: a size that cannot
+    work here, refused before anything is created (as an absurd size is)."""
+    free = shm_free_bytes()
+    if free is not None and nbytes > free:
+        raise ValueError(f"{what} ({nbytes / 2**20:.1f} MiB) does not fit in {SHM_DIR} "
+                         f"({free / 2**20:.1f} MiB free): lower host_pool_pages or the page "
+                         f"size, or free {SHM_DIR}")
 
 
 class Segment:
@@ -44,6 +77,8 @@ class Segment:
                 shm.close_fd()
                 raise ValueError(f"segment {name} holds {shm.size} bytes, expected {size}")
         try:
+            if create:
+                _allocate(shm.fd, size, name)
             self.map = self._map(shm.fd, size, populate)
         except BaseException:
             if create:
@@ -87,3 +122,16 @@ class Segment:
 
     def __repr__(self) -> str:
         return f"Segment({self.name!r}, {self.size} bytes, owner={self.owner})"
+
+
+def _allocate(fd: int, size: int, name: str) -> None:
+    """Give the segment all its pages now (module docstring), or ShmFullError."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise ShmFullError(errno.ENOSPC, f"{SHM_DIR} has no room for {name} "
+                               f"({size / 2**20:.1f} MiB): free {SHM_DIR} or lower "
+                               f"host_pool_pages") from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise

@@ -13,6 +13,8 @@ Every field is an aligned uint64, written by exactly one side:
                 READS_DONE                                          that worker
     per worker: READS_SUBMITTED                   engine (and reset, with
                 READS_DONE, by the pool before a worker's replacement starts)
+    HEARTBEAT[worker][lane] = CLOCK_MONOTONIC ns  that worker's lane (0: idle;
+                the pool zeroes a slot's row before its replacement starts)
     CANCEL[op_id % CANCEL_SLOTS] = op_id          engine
     PINS[h(digest)] = pages of ops in flight      engine
 
@@ -34,7 +36,15 @@ READS_SUBMITTED before it pushes, so READS_DONE never passes it: a racing
 reader may see a read outstanding a moment before it is queued (a write
 waits a moment longer), never a negative count. A dead worker's pair is
 zeroed before its replacement starts, so its lost reads do not stay
-outstanding.
+outstanding. A worker whose current page I/O started more than SLOW_IO_S ago
+(HEARTBEAT) is not counted either: a read stuck in the kernel (a hung network
+filesystem) or in a stopped process must not hold every other worker's
+backups back, and the reads queued behind it will not go sooner for that.
+
+Heartbeat: a lane stores the monotonic clock (system-wide, so the engine can
+compare it with its own) when it starts a page I/O and 0 when it ends. The
+engine's watchdog (hicache_mp.engine) looks for an I/O older than its stall
+limit with one vectorised compare per health check.
 
 Pins: a counting table indexed by the first 8 bytes of the page digest
 (sha256: uniform). The engine adds 1 per page when an op is submitted and
@@ -42,11 +52,15 @@ takes it off when that page completes; the evictor never removes a page whose
 slot is non-zero. Two digests sharing a slot only make a page look pinned a
 little longer: safe.
 """
+import time
+
 import numpy as np
 
 from shm import Segment
 
 MAX_WORKERS = 256
+MAX_LANES = 32   # io_depth bound: one heartbeat word per lane
+SLOW_IO_S = 0.5  # a page I/O older than this no longer holds back other workers' writes
 CANCEL_SLOTS = 4096
 PIN_SLOTS = 1 << 16
 _WORKER_FIELDS = 8
@@ -54,7 +68,9 @@ STOP, WAITERS, STORE_BASE, WRITTEN_AT_SCAN, MAX_BYTES, MIN_FREE, EVICTOR_PID = r
 _WORKERS_AT = 8
 _CANCEL_AT = _WORKERS_AT + MAX_WORKERS * _WORKER_FIELDS
 _PINS_AT = _CANCEL_AT + CANCEL_SLOTS
-_TOTAL = _PINS_AT + PIN_SLOTS
+_HEARTBEAT_AT = _PINS_AT + PIN_SLOTS
+_TOTAL = _HEARTBEAT_AT + MAX_WORKERS * MAX_LANES
+CONTROL_BYTES = _TOTAL * 8
 READY_PID, BUSY_NS, PAGES, BYTES, WRITTEN, INFLIGHT, READS_SUBMITTED, READS_DONE = \
     range(_WORKER_FIELDS)
 
@@ -70,11 +86,12 @@ def pin_slot(digest: bytes) -> int:
 
 class Control:
     def __init__(self, name: str, *, create: bool):
-        self.segment = Segment(name, _TOTAL * 8, create=create)
+        self.segment = Segment(name, CONTROL_BYTES, create=create)
         self.words = np.frombuffer(self.segment.map, dtype=np.uint64, count=_TOTAL)
         self.workers = self.words[_WORKERS_AT:_CANCEL_AT].reshape(MAX_WORKERS, _WORKER_FIELDS)
         self.cancel_table = self.words[_CANCEL_AT:_PINS_AT]
-        self.pins = self.words[_PINS_AT:]
+        self.pins = self.words[_PINS_AT:_HEARTBEAT_AT]
+        self.heartbeat = self.words[_HEARTBEAT_AT:].reshape(MAX_WORKERS, MAX_LANES)
 
     @property
     def name(self) -> str:
@@ -90,9 +107,19 @@ class Control:
         self.cancel_table[op_id % CANCEL_SLOTS] = op_id
 
     def reads_outstanding(self, num_workers: int) -> bool:
-        """True if any read page handed to any worker is not finished (module doc)."""
+        """True if a read page handed to a worker that is making progress is not
+        finished (module doc: a worker stuck in one I/O does not count)."""
         w = self.workers[:num_workers]
-        return bool((w[:, READS_SUBMITTED].view(np.int64) > w[:, READS_DONE].view(np.int64)).any())
+        waiting = w[:, READS_SUBMITTED].view(np.int64) > w[:, READS_DONE].view(np.int64)
+        if not waiting.any():
+            return False
+        return bool((waiting & ~self.stalled(num_workers, SLOW_IO_S)).any())
+
+    def stalled(self, num_workers: int, limit_s: float, now_ns: int | None = None) -> np.ndarray:
+        """Per worker: is one of its page I/Os older than `limit_s`?"""
+        hb = self.heartbeat[:num_workers].view(np.int64)
+        now = time.monotonic_ns() if now_ns is None else now_ns
+        return ((hb > 0) & (hb < now - int(limit_s * 1e9))).any(axis=1)
 
     def store_estimate(self) -> int:
         """Bytes the store holds, as far as this engine knows (see the module doc)."""
@@ -101,5 +128,5 @@ class Control:
         return base + int(self.workers[:, WRITTEN].sum()) - at
 
     def close(self) -> None:
-        del self.words, self.workers, self.cancel_table, self.pins
+        del self.words, self.workers, self.cancel_table, self.pins, self.heartbeat
         self.segment.close()

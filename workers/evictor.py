@@ -44,23 +44,21 @@ Record fields on the evict ring: kind=KIND_EVICT, digest, io_ns = bytes freed.
 """
 import json
 import os
-import subprocess
 import sys
 import time
 
 import numpy as np
 
 from shm import Ring, WakeSemaphore
-from shm.names import unlink_names
 from shm.ring import KIND_EVICT, RECORD_DTYPE
 from workers import naming
+from workers.child import PARENT_CHECK_S, Child, ParentWatch, child_main, orphan_cleanup, \
+    wait_ready
 from workers.storedir import fanout_dirs
 from workers.control import EVICTOR_PID, INFLIGHT, MAX_BYTES, MIN_FREE, STOP, STORE_BASE, WRITTEN, \
     WRITTEN_AT_SCAN, Control, pin_slot
 
-PARENT_CHECK_S = 0.25
 EVICT_RING_CAPACITY = 8192
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def headroom_bytes(max_bytes: int, min_free: int, file_bytes: int) -> int:
@@ -72,7 +70,7 @@ class Evictor:
     def __init__(self, cfg: dict):
         self.cfg = cfg
         self.root = cfg["storage_dir"]
-        self.parent_pid = cfg["parent_pid"]
+        self.parent = ParentWatch(cfg["parent_pid"])
         self.interval_s = cfg["interval_s"]
         self.headroom = cfg["headroom"]
         self.control = Control(cfg["control"], create=False)
@@ -86,18 +84,18 @@ class Evictor:
         self.control.words[EVICTOR_PID] = os.getpid()
         orphaned = False
         while not self.control.stopping():
-            if os.getppid() != self.parent_pid:
+            if self.parent.gone():
                 orphaned = True
                 break
             self.one_pass()
             deadline = time.monotonic() + self.interval_s
-            while not self.control.stopping() and os.getppid() == self.parent_pid:
+            while not self.control.stopping() and not self.parent.gone():
                 left = deadline - time.monotonic()
                 if left <= 0 or self.wake.wait(min(left, PARENT_CHECK_S)):
                     break
             self.wake.drain()  # a burst of posts from workers costs one pass
         if orphaned:
-            unlink_names(self.cfg.get("orphan_unlink_shm", []), self.cfg.get("orphan_unlink_sem", []))
+            orphan_cleanup(self.cfg["orphan_unlink_shm"], self.cfg["orphan_unlink_sem"])
         return 0
 
     # --- one pass -----------------------------------------------------------
@@ -210,29 +208,31 @@ class EvictorProcess:
                     "evict_ring_capacity": EVICT_RING_CAPACITY, "evict_sem": self.wake.name,
                     "orphan_unlink_shm": [self.ring.name, control.name],
                     "orphan_unlink_sem": [self.wake.name]}
-        self.proc = None
+        self.child = None
+        self.timeout_s = 60.0
         self.respawns = 0
         self.evicted_pages = 0
         self.evicted_bytes = 0
 
-    def start(self, timeout_s: float = 60.0) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = _PACKAGE_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    def start(self, timeout_s: float = 60.0, *, wait: bool = True) -> None:
+        """Launch the evictor; with `wait`, until it says ready (else see `check_start`)."""
         self.control.words[EVICTOR_PID] = 0
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "workers.evictor", "hicache_mp-evictor", json.dumps(self.cfg)],
-            env=env, stdin=subprocess.DEVNULL, close_fds=True)
-        deadline = time.monotonic() + timeout_s
-        while int(self.control.words[EVICTOR_PID]) != self.proc.pid:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"hicache_mp-evictor exited with code {self.proc.returncode} "
-                                   f"before it was ready")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"hicache_mp-evictor not ready after {timeout_s}s")
-            time.sleep(0.002)
+        self.child = Child("workers.evictor", "hicache_mp-evictor", json.dumps(self.cfg),
+                           ready_word=lambda: self.control.words[EVICTOR_PID])
+        self.timeout_s = timeout_s
+        if wait:
+            wait_ready([self.child], timeout_s)
+
+    def check_start(self) -> bool:
+        """Non-blocking: is a launched evictor ready? ChildStartError if it failed."""
+        return self.child.check_start(self.timeout_s)
+
+    @property
+    def proc(self):
+        return None if self.child is None else self.child.proc
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.child is not None and self.child.alive()
 
     def pop(self) -> np.ndarray:
         recs = self.ring.pop()
@@ -242,30 +242,20 @@ class EvictorProcess:
         return recs
 
     def close(self, grace_s: float = 2.0) -> None:
-        if self.proc is not None:
+        if self.child is not None:
             self.control.words[STOP] = 1
             try:
                 self.wake.post()
             except Exception:
                 pass
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            self.proc = None
+            self.child.stop(time.monotonic() + grace_s)
+            self.child = None
         self.ring.close()
         self.wake.close()
 
 
 def main(argv: list[str]) -> int:
-    name, cfg = argv[1], json.loads(argv[2])
-    try:
-        import ctypes
-        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except Exception:
-        pass
-    return Evictor(cfg).run()
+    return child_main(argv, json.loads, lambda cfg: Evictor(cfg).run())
 
 
 if __name__ == "__main__":

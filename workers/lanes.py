@@ -35,8 +35,8 @@ import numpy as np
 
 from shm.ring import KIND_WRITE, RECORD_DTYPE
 from workers import directio, pagefile
+from workers.child import PARENT_CHECK_S
 
-PARENT_CHECK_S = 0.25
 # How often a worker with a deferred write looks again (workers.worker uses it
 # too): no one posts its wake semaphore when another worker's reads finish.
 DEFER_POLL_S = 0.002
@@ -52,7 +52,8 @@ class Lane:
     must be a whole block), which costs nothing at a true EOF.
     """
 
-    def __init__(self, direct: bool):
+    def __init__(self, direct: bool, slot: int):
+        self.slot = slot  # its heartbeat word (workers.control)
         self.scratch = directio.Scratch(3 * directio.ALIGN)
         self.header = self.scratch[0:pagefile.HEADER_SIZE]
         spare = directio.ALIGN if direct else 1
@@ -92,7 +93,7 @@ def run_lanes(worker) -> bool:
     free = threading.Semaphore(w.depth)
     work: queue.SimpleQueue = queue.SimpleQueue()
     dispatch = _Dispatch(w)
-    threads = [threading.Thread(target=_lane_loop, args=(w, Lane(w.direct), work, free, dispatch),
+    threads = [threading.Thread(target=_lane_loop, args=(w, Lane(w.direct, i), work, free, dispatch),
                                 name=f"io-lane-{i}", daemon=True) for i in range(w.depth)]
     for t in threads:
         t.start()

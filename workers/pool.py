@@ -6,13 +6,27 @@
     write_ring[i].push(writes) -------------->    (reads first: workers.worker)
     wake[i].post()  (once per batch)              (sleeps on wake[i] when idle)
     completion_ring[i].pop()  <---------------  push completion, post done if WAITERS
-    check(): a dead worker is reported,         exits on STOP or when its parent dies
-             then respawned with fresh rings
+    dead(): a worker that exited is reported;   exits on STOP or when its parent dies
+    respawn(): its replacement starts with
+    fresh rings, in the background
+    poll_starting(): replacements that are
+    ready now take work (usable())
 
-Owns process lifecycle and the per-worker rings and wake semaphore. Must not
-interpret records: the engine does that. Workers are launched through
-`subprocess` (spawn semantics: fresh interpreter, no CUDA state, no inherited
-locks), which also works from a daemonic multiprocessing parent.
+Owns process lifecycle (through workers.child), the per-worker rings and wake
+semaphore, and the pool's one terminal broken state. Must not interpret
+records: the engine does that.
+
+Replacements never block the caller: `respawn` launches the new worker and
+returns; the worker maps and pre-populates the host pool (seconds for tens of
+GB) on its own time, and `poll_starting` (a load per starting worker) says
+when it is ready. Until then `usable()` leaves it out, so new work goes to
+the ready workers; with none ready, pages wait in the new worker's ring.
+
+Broken (as CPython's process pool executor): set once, under one lock, when a
+replacement cannot be launched, or MAX_START_FAILURES replacements in a row
+for one slot exit (or time out) before they are ready; it is terminal (no
+more respawns) and `check()` raises BrokenPool on every later submission. A
+pool that is not broken never refuses work.
 
 Shutdown protocol (close()):
   1. set STOP in the control block;
@@ -21,17 +35,20 @@ Shutdown protocol (close()):
   4. SIGKILL stragglers and reap them;
   5. close and unlink every ring and semaphore the pool created.
 """
-import json
 import os
-import subprocess
-import sys
+import threading
 import time
 from dataclasses import dataclass
 
 from shm import Ring, WakeSemaphore
+from workers.child import Child, ChildStartError, wait_ready
 from workers.control import MAX_WORKERS, READS_DONE, READS_SUBMITTED, READY_PID, STOP, Control
+from workers.spec import WorkerSpec
 
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Replacements of one slot that may fail to start in a row before the pool is
+# broken: one can be killed by an operator or the OOM killer; three in a row is
+# the environment (an import error, no memory), and retrying would only spin.
+MAX_START_FAILURES = 3
 
 
 def worker_cpus() -> list[int]:
@@ -67,7 +84,7 @@ def _parse_cpu_list(text: str) -> list[int]:
     return out
 
 
-class WorkerStartError(RuntimeError):
+class WorkerStartError(ChildStartError):
     """A worker could not be started (it exited or never became ready)."""
 
 
@@ -75,54 +92,93 @@ class BrokenPool(RuntimeError):
     """The pool is closed or could not replace a dead worker."""
 
 
-@dataclass
+@dataclass(eq=False)
 class WorkerHandle:
     index: int
     generation: int
-    proc: subprocess.Popen
+    child: Child
     submit: Ring          # reads (prefetch)
     write: Ring           # writes (backup): served after reads
     completion: Ring
     wake: WakeSemaphore
+    stuck: bool = False   # given up on (watchdog, or a failed start): never usable again
+    rings_closed: bool = False
+    start_error: str | None = None   # why it never became ready
 
     @property
     def rings(self) -> tuple:
         return (self.submit, self.write, self.completion, self.wake)
 
+    def close_rings(self) -> None:
+        if not self.rings_closed:
+            self.rings_closed = True
+            for r in self.rings:
+                r.close()
+
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        return self.child.pid
+
+    @property
+    def proc(self):
+        return self.child.proc
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.child.alive()
 
 
 class WorkerPool:
-    def __init__(self, *, num_workers: int, tag: str, control: Control, done_sem: str,
-                 worker_config: dict, ring_capacity: int, pin_cpus: list[int] | None = None,
+    def __init__(self, *, num_workers: int, tag: str, control: Control, spec: WorkerSpec,
+                 ring_capacity: int, pin_cpus: list[int] | None = None,
                  start_timeout_s: float = 60.0):
         if not 1 <= num_workers <= MAX_WORKERS:
             raise ValueError(f"num_workers must be in [1, {MAX_WORKERS}], got {num_workers}")
         self.tag = tag
         self.control = control
-        self.done_sem = done_sem
-        self.base_config = worker_config
+        self.spec = spec
         self.ring_capacity = ring_capacity
         self.pin_cpus = pin_cpus
         self.start_timeout_s = start_timeout_s
         self.respawns = 0
         self.workers: list[WorkerHandle] = []
+        self.starting: list[WorkerHandle] = []   # replacements not ready yet
+        self.dying: list[WorkerHandle] = []      # stuck workers killed, not reaped yet
         self.closed = False
+        self._lock = threading.Lock()
+        self._broken: str | None = None
+        self._start_failures = [0] * num_workers
         try:
             for i in range(num_workers):
                 self.workers.append(self._spawn(i, 0))
-            self._wait_ready(self.workers)
+            try:
+                wait_ready([h.child for h in self.workers], start_timeout_s)
+            except ChildStartError as exc:
+                raise WorkerStartError(str(exc)) from None
         except BaseException:
             self.close()
             raise
 
     def __len__(self) -> int:
         return len(self.workers)
+
+    # --- the broken state -----------------------------------------------------------
+    @property
+    def broken(self) -> str | None:
+        with self._lock:
+            return self._broken
+
+    def _break(self, why: str) -> None:
+        with self._lock:
+            if self._broken is None:
+                self._broken = why
+
+    def check(self) -> None:
+        """Raise BrokenPool if this pool takes no more work (broken or closed)."""
+        with self._lock:
+            if self._broken is not None:
+                raise BrokenPool(f"engine is broken: {self._broken}")
+            if self.closed:
+                raise BrokenPool("pool is closed")
 
     # --- lifecycle ----------------------------------------------------------
     def _spawn(self, index: int, generation: int) -> WorkerHandle:
@@ -134,40 +190,27 @@ class WorkerPool:
             # Both submit rings may be full at once: the completion ring holds both.
             made.append(Ring(base + ".cpl", 2 * self.ring_capacity, create=True))
             made.append(WakeSemaphore(base + ".wake", create=True))
-        except BaseException:
-            for r in made:
-                r.close()
-            raise
-        submit, write, completion, wake = made
-        self.control.workers[index][READY_PID] = 0
-        # The reads the dead worker held were failed by the engine: none of them
-        # is outstanding any more (workers.control: reads outstanding).
-        self.control.workers[index][READS_SUBMITTED] = 0
-        self.control.workers[index][READS_DONE] = 0
-        cfg = dict(self.base_config, index=index, parent_pid=os.getpid(),
-                   submit_ring=submit.name, write_ring=write.name, completion_ring=completion.name,
-                   ring_capacity=self.ring_capacity, completion_capacity=completion.capacity,
-                   wake_sem=wake.name, done_sem=self.done_sem, control=self.control.name)
-        cfg["orphan_unlink_shm"] = [cfg["pool_name"], cfg["control"], submit.name, write.name,
-                                    completion.name]
-        cfg["orphan_unlink_sem"] = [wake.name, self.done_sem]
-        # Names of the engine's other helpers (the evictor's ring and semaphore).
-        cfg["orphan_unlink_shm"] += cfg.pop("orphan_extra_shm", [])
-        cfg["orphan_unlink_sem"] += cfg.pop("orphan_extra_sem", [])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = _PACKAGE_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-        try:
+            submit, write, completion, wake = made
+            row = self.control.workers[index]
+            row[READY_PID] = 0
+            # The reads the dead worker held were failed by the engine: none of them
+            # is outstanding any more (workers.control: reads outstanding).
+            row[READS_SUBMITTED] = 0
+            row[READS_DONE] = 0
+            self.control.heartbeat[index] = 0
+            spec = self.spec.bind(index=index, parent_pid=os.getpid(), read_ring=submit.name,
+                                  write_ring=write.name, completion_ring=completion.name,
+                                  completion_capacity=completion.capacity, wake_sem=wake.name)
             # pool_fd (an fd-mapped pool such as SGLang's memfd, which is CLOEXEC):
             # hand exactly that descriptor to the worker, at the same number.
-            pass_fds = (cfg["pool_fd"],) if cfg.get("pool_fd") is not None else ()
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "workers.worker", f"hicache_mp-worker-{index}", json.dumps(cfg)],
-                env=env, stdin=subprocess.DEVNULL, close_fds=True, pass_fds=pass_fds)
+            child = Child("workers.worker", f"hicache_mp-worker-{index}", spec.to_json(),
+                          ready_word=lambda: row[READY_PID],
+                          pass_fds=(spec.pool_fd,) if spec.pool_fd is not None else ())
         except BaseException:
             for r in made:
                 r.close()
             raise
-        handle = WorkerHandle(index, generation, proc, submit, write, completion, wake)
+        handle = WorkerHandle(index, generation, child, submit, write, completion, wake)
         if self.pin_cpus:
             self._pin(handle)
         return handle
@@ -180,55 +223,89 @@ class WorkerPool:
         except (psutil.Error, OSError, AttributeError):
             pass  # pinning is an optimisation, never a reason to fail
 
-    def _wait_ready(self, handles: list[WorkerHandle]) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        pending = list(handles)
-        while pending:
-            for h in list(pending):
-                if int(self.control.workers[h.index][READY_PID]) == h.pid:
-                    pending.remove(h)
-                elif not h.alive():
-                    raise WorkerStartError(
-                        f"hicache_mp-worker-{h.index} exited with code {h.proc.returncode} "
-                        f"before it was ready (see its stderr above)")
-            if pending and time.monotonic() > deadline:
-                raise WorkerStartError(f"{len(pending)} worker(s) not ready after {self.start_timeout_s}s")
-            if pending:
-                time.sleep(0.002)
+    def usable(self) -> list[WorkerHandle]:
+        """Workers new work may go to: ready and not given up on."""
+        return [h for h in self.workers if not h.stuck and h not in self.starting]
 
     def dead(self) -> list[WorkerHandle]:
-        """Workers that have exited without being asked to. A waitpid per worker."""
-        if self.closed:
+        """Ready workers that have exited without being asked to. A waitpid each.
+        (One that exits before it is ready is `poll_starting`'s to report.)"""
+        if self.closed or self._broken is not None:
             return []
-        return [h for h in self.workers if not h.alive()]
+        return [h for h in self.workers
+                if not h.stuck and h not in self.starting and not h.alive()]
 
     def respawn(self, handle: WorkerHandle) -> WorkerHandle:
-        """Replace a dead worker. The caller has drained its completion ring."""
-        if self.closed:
-            raise BrokenPool("pool is closed")
-        for r in handle.rings:
-            r.close()
-        new = self._spawn(handle.index, handle.generation + 1)
-        self.workers[handle.index] = new
-        self.respawns += 1
+        """Start a replacement for `handle` (dead, or stuck and killed) and return at once.
+
+        The caller has drained the old completion ring and failed its pages. The
+        replacement takes work once `poll_starting` has seen it ready. Raises
+        BrokenPool (and the pool is broken) if it cannot even be launched.
+        """
+        self.check()
+        handle.close_rings()
+        if handle.start_error is not None:
+            self._start_failures[handle.index] += 1
+            if self._start_failures[handle.index] >= MAX_START_FAILURES:
+                self._break(f"could not replace hicache_mp-worker-{handle.index}: "
+                            f"{handle.start_error}")
+                raise BrokenPool(self.broken)
+        if handle.stuck:
+            handle.child.kill()  # it may sit in the kernel a while before it dies
+            self.dying.append(handle)
         try:
-            self._wait_ready([new])
-        except WorkerStartError as exc:
-            raise BrokenPool(f"could not replace hicache_mp-worker-{handle.index}: {exc}") from exc
+            new = self._spawn(handle.index, handle.generation + 1)
+        except Exception as exc:
+            self._break(f"could not replace hicache_mp-worker-{handle.index}: {exc}")
+            handle.stuck = True
+            raise BrokenPool(self.broken) from exc
+        self.workers[handle.index] = new
+        self.starting.append(new)
+        self.respawns += 1
         return new
+
+    def poll_starting(self) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
+        """(replacements ready now, replacements that failed to start).
+
+        A failed one is never usable (`stuck`); the caller fails its pages and
+        calls `respawn` for it, which starts another or, after
+        MAX_START_FAILURES in a row, breaks the pool."""
+        ready, failed = [], []
+        for h in list(self.starting):
+            try:
+                if not h.child.check_start(self.start_timeout_s):
+                    continue
+                ready.append(h)
+                self._start_failures[h.index] = 0
+            except ChildStartError as exc:
+                h.start_error = str(exc)
+                h.child.kill()
+                h.stuck = True
+                failed.append(h)
+            self.starting.remove(h)
+        return ready, failed
+
+    def reaped(self) -> list[WorkerHandle]:
+        """Killed stuck workers that are gone for good now (a waitpid each)."""
+        gone = [h for h in self.dying if not h.alive()]
+        for h in gone:
+            self.dying.remove(h)
+        return gone
 
     def close(self, grace_s: float = 2.0) -> None:
         self.stop(grace_s)
         for h in self.workers:                             # 5
-            for r in h.rings:
-                r.close()
+            h.close_rings()
         self.workers = []
+        self.starting = []
+        self.dying = []
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Steps 1-4: the workers are gone; their rings stay readable."""
-        if self.closed:
-            return
-        self.closed = True
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
         self.control.words[STOP] = 1                       # 1
         for h in self.workers:                             # 2
             try:
@@ -236,9 +313,6 @@ class WorkerPool:
             except Exception:
                 pass
         deadline = time.monotonic() + grace_s              # 3
-        for h in self.workers:
-            try:
-                h.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                h.proc.kill()                              # 4
-                h.proc.wait()
+        for h in self.workers + self.dying:
+            h.child.stop(deadline)                         # 4
+

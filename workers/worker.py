@@ -1,8 +1,8 @@
 """The I/O worker process: pops page records, moves bytes between files and the pool.
 
-Run as ``python -m workers.worker hicache_mp-worker-<i> '<json config>'`` by
-`WorkerPool` (a fresh interpreter: no CUDA state, no inherited locks, and it
-works from a daemonic parent where multiprocessing refuses to start children).
+Run as ``python -m workers.worker hicache_mp-worker-<i> '<WorkerSpec json>'`` by
+`WorkerPool`, through workers.child (a fresh interpreter: no CUDA state, no
+inherited locks). Everything it is told is a `WorkerSpec` (workers.spec).
 Imports no torch: os, mmap, numpy and posix_ipc only.
 
 Owns the per-page I/O: a read is open + one preadv (header and payload
@@ -53,7 +53,6 @@ scheduler makes no syscall for it.
 """
 import errno
 import itertools
-import json
 import os
 import stat
 import sys
@@ -64,11 +63,12 @@ import numpy as np
 
 from shm import PageGeometry, Ring, WakeSemaphore
 from shm.hostpool import HostPool
-from shm.names import unlink_names
 from shm.ring import KIND_PROBE, KIND_READ
 from workers import directio, naming, pagefile, status
 from workers.fileio import preadv_full, pwritev_full
-from workers.lanes import DEFER_POLL_S, PARENT_CHECK_S, Lane, run_lanes
+from workers.child import PARENT_CHECK_S, ParentWatch, child_main, orphan_cleanup
+from workers.lanes import DEFER_POLL_S, Lane, run_lanes
+from workers.spec import WorkerSpec
 from workers.storedir import DIR_MODE, ensure_parent
 from workers.control import BUSY_NS, BYTES, INFLIGHT, MAX_BYTES, MIN_FREE, PAGES, READS_DONE, \
     READY_PID, WAITERS, WRITTEN, Control
@@ -98,53 +98,42 @@ _WRITE_ERRNO = {
 }
 
 
-def _set_process_name(name: str) -> None:
-    """Best effort: show the worker's name in top/ps (comm); argv carries it anyway."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except Exception:
-        pass
-
-
 class Worker:
-    def __init__(self, cfg: dict):
-        self.cfg = cfg
-        self.index = cfg["index"]
-        self.parent_pid = cfg["parent_pid"]
-        self.root = cfg["storage_dir"]
-        self.geometry = PageGeometry.from_dict(cfg["geometry"])
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        self.index = spec.index
+        self.parent = ParentWatch(spec.parent_pid)
+        self.root = spec.storage_dir
+        self.geometry = PageGeometry.from_dict(spec.geometry)
         self.fp = self.geometry.fingerprint()
         self.payload_len = self.geometry.page_bytes
-        self.verify_crc = cfg.get("verify_checksum", True)
-        self.write_crc = cfg.get("write_checksum", False)
-        self.fsync = cfg.get("fsync", "none")
-        self.quarantine = cfg.get("quarantine_bad_files", False)
-        self.batch = cfg.get("batch", 16)
+        self.verify_crc = spec.verify_checksum
+        self.write_crc = spec.write_checksum
+        self.fsync = spec.fsync
+        self.quarantine = spec.quarantine_bad_files
+        self.batch = spec.worker_batch
         # pool_fd: the pool is a region the engine did not create (SGLang's memfd host
         # pool, hicache_mp.integrations.sglang), inherited through Popen(pass_fds=...).
-        # Without it the pool is attached by name, as before.
-        self.pool = HostPool(self.geometry, cfg["pool_pages"], name=cfg["pool_name"],
-                             create=False, populate=cfg.get("populate", True),
-                             fd=cfg.get("pool_fd"))
-        self.read_ring = Ring(cfg["submit_ring"], cfg["ring_capacity"], create=False)
-        self.write_ring = Ring(cfg["write_ring"], cfg["ring_capacity"], create=False)
-        self.completion = Ring(cfg["completion_ring"], cfg["completion_capacity"], create=False)
-        self.reads_per_write = max(1, cfg.get("reads_per_write", 8))
-        self.wake = WakeSemaphore(cfg["wake_sem"], create=False)
-        self.done = WakeSemaphore(cfg["done_sem"], create=False)
-        self.control = Control(cfg["control"], create=False)
+        self.pool = HostPool(self.geometry, spec.pool_pages, name=spec.pool_name,
+                             create=False, populate=spec.populate, fd=spec.pool_fd)
+        self.read_ring = Ring(spec.read_ring, spec.ring_capacity, create=False)
+        self.write_ring = Ring(spec.write_ring, spec.ring_capacity, create=False)
+        self.completion = Ring(spec.completion_ring, spec.completion_capacity, create=False)
+        self.reads_per_write = spec.reads_per_write
+        self.wake = WakeSemaphore(spec.wake_sem, create=False)
+        self.done = WakeSemaphore(spec.done_sem, create=False)
+        self.control = Control(spec.control, create=False)
         self.stats = self.control.workers[self.index]
-        self.direct = bool(cfg.get("direct_io", False))
-        self.depth = max(1, int(cfg.get("io_depth", 1)))
-        self.lane = Lane(self.direct)  # the loop's own; run_lanes makes one per thread
+        self.heartbeat = self.control.heartbeat[self.index]
+        self.direct = spec.direct_io
+        self.depth = spec.io_depth
+        self.lane = Lane(self.direct, 0)  # the loop's own; run_lanes makes one per thread
         self.open_flags = directio.O_DIRECT if self.direct else 0
         self.file_bytes = pagefile.HEADER_SIZE + self.payload_len
-        self.capped = bool(cfg.get("capacity"))
-        self.evict_wake = WakeSemaphore(cfg["evict_sem"], create=False) if cfg.get("evict_sem") else None
-        self.headroom = int(cfg.get("evict_headroom", 0))
-        self.num_workers = int(cfg.get("num_workers", 1))
+        self.capped = spec.capacity
+        self.evict_wake = WakeSemaphore(spec.evict_sem, create=False) if spec.evict_sem else None
+        self.headroom = spec.evict_headroom
+        self.num_workers = spec.num_workers
         self.touched: dict[bytes, float] = {}
         self.read_streak = 0  # reads done in a row while writes waited
         self.deferred_since = None  # monotonic time a waiting write was first deferred
@@ -164,7 +153,7 @@ class Worker:
         return 0
 
     def parent_gone(self) -> bool:
-        return os.getppid() != self.parent_pid
+        return self.parent.gone()
 
     def _run_inline(self) -> bool:
         """The loop of the module docstring, one I/O at a time; True if orphaned."""
@@ -215,6 +204,7 @@ class Worker:
 
     def serve(self, rec, lane: Lane) -> None:
         t0 = time.perf_counter_ns()
+        self.heartbeat[lane.slot] = time.monotonic_ns()  # the engine's watchdog looks at it
         if rec["kind"] == KIND_PROBE:  # belongs to no op: never "cancelled"
             code, err, nbytes = self._probe(rec["digest"].tobytes()), 0, 0
         elif self.control.cancelled(int(rec["op_id"])):
@@ -229,6 +219,7 @@ class Worker:
                 code, err = self._write(path, digest, iovecs, lane)
             nbytes = self.payload_len if code == status.OK else 0
         io_ns = time.perf_counter_ns() - t0
+        self.heartbeat[lane.slot] = 0
         out = lane.out
         out[0] = rec
         out["status"][0] = code
@@ -409,14 +400,11 @@ class Worker:
         return None
 
     def _unlink_all(self) -> None:
-        unlink_names(self.cfg.get("orphan_unlink_shm", []), self.cfg.get("orphan_unlink_sem", []))
+        orphan_cleanup(self.spec.orphan_shm, self.spec.orphan_sem)
 
 
 def main(argv: list[str]) -> int:
-    name, cfg = argv[1], json.loads(argv[2])
-    _set_process_name(name)
-    worker = Worker(cfg)
-    return worker.run()
+    return child_main(argv, WorkerSpec.from_json, lambda spec: Worker(spec).run())
 
 
 if __name__ == "__main__":

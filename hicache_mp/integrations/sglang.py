@@ -594,12 +594,13 @@ class HiCacheMP(HiCacheStorage):
         return engines + (hybrid.engines() if hybrid is not None else [])
 
     def close(self) -> None:
-        """Stop the workers and release every segment (SGLang calls this on detach)."""
+        """Flush backups in flight, stop the workers and release every segment
+        (SGLang calls this on detach and at server shutdown)."""
         hybrid = getattr(self, "hybrid", None)
         if hybrid is not None:
             hybrid.close()
         for eng in self._engines():
-            eng.close()
+            eng.close(flush=True)
         self.engine, self._staging, self.zero_copy = None, None, False
 
     def __del__(self):

@@ -86,7 +86,10 @@ class Soak:
     def kill_worker(self):
         if self.e.metrics()["respawns"] < self.kills:  # the last victim is not replaced yet
             return
-        os.kill(self.rng.choice(self.e.pool.workers).pid, signal.SIGKILL)
+        ready = self.e.pool.usable()
+        if not ready:
+            return
+        os.kill(self.rng.choice(ready).pid, signal.SIGKILL)
         self.kills += 1
 
     def damage_file(self):

@@ -1,0 +1,147 @@
+"""Child processes of an engine: one way to launch, hand-shake, name, watch and clean up.
+
+Both kinds of helper process (I/O workers, the evictor) start and live the
+same way, so the rules are written once here:
+
+    parent (engine)                              child (python -m <module>)
+    ---------------                              --------------------------
+    Child(module, name, spec_json) ──Popen──►    child_main(): process name (prctl),
+      PYTHONPATH = this package's root,            parse the spec, run the body
+      stdin closed, only pass_fds inherited      body publishes its pid in a control
+    child.ready() / wait_ready() ◄──────────────   word (the ready handshake)
+      reads that word: a pid equal to ours
+    child.alive(), kill(), reap()                ParentWatch.gone(): the parent's pid
+                                                   changed (we were reparented)
+                                                 orphan_cleanup(): unlink the names
+                                                   the parent would have unlinked
+
+`subprocess` gives spawn semantics (fresh interpreter: no CUDA state, no
+inherited locks) and also works from a daemonic multiprocessing parent, where
+multiprocessing refuses to start children.
+
+Must not know what a child does, nor what its control words mean beyond
+"this word holds the pid of a ready child".
+"""
+import os
+import subprocess
+import sys
+import time
+
+from shm.names import unlink_names
+
+# How often an idle child looks at its parent; also the longest an orphan lives.
+PARENT_CHECK_S = 0.25
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class ChildStartError(RuntimeError):
+    """A child process exited, or did not say ready in time."""
+
+
+class Child:
+    """The parent's handle on one child process.
+
+    `ready_word`: a zero-argument callable returning the pid the child has
+    published as ready (0 until then). The caller zeroes the word before the
+    launch, so a previous child's pid never reads as ready.
+    """
+
+    def __init__(self, module: str, name: str, spec_json: str, *, ready_word,
+                 pass_fds: tuple = ()):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = _PACKAGE_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        self.name = name
+        self._ready_word = ready_word
+        self._ready = False
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "-m", module, name, spec_json], env=env,
+                                     stdin=subprocess.DEVNULL, close_fds=True, pass_fds=pass_fds)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self):
+        return self.proc.returncode
+
+    def alive(self) -> bool:
+        """False once the child has exited (and been reaped: one waitpid, WNOHANG)."""
+        return self.proc.poll() is None
+
+    def ready(self) -> bool:
+        """Non-blocking: has the child said ready? Raises ChildStartError if it died first."""
+        if self._ready:
+            return True
+        if int(self._ready_word()) == self.proc.pid:
+            self._ready = True
+            return True
+        if self.proc.poll() is not None:
+            raise ChildStartError(f"{self.name} exited with code {self.proc.returncode} before "
+                                  f"it was ready (see its stderr above)")
+        return False
+
+    def check_start(self, timeout_s: float) -> bool:
+        """ready(), plus a start deadline: ChildStartError once `timeout_s` has passed."""
+        if self.ready():
+            return True
+        if time.monotonic() - self.started > timeout_s:
+            raise ChildStartError(f"{self.name} not ready after {timeout_s}s")
+        return False
+
+    def kill(self) -> None:
+        """SIGKILL, no wait (a child stuck in the kernel dies when its syscall returns)."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.kill()
+            except OSError:
+                pass
+
+    def stop(self, deadline: float) -> None:
+        """Wait for an exit until `deadline` (monotonic), then SIGKILL and reap."""
+        try:
+            self.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def wait_ready(children, timeout_s: float) -> None:
+    """Block until every child has said ready; ChildStartError on an exit or the deadline."""
+    pending = list(children)
+    while pending:
+        pending = [c for c in pending if not c.check_start(timeout_s)]
+        if pending:
+            time.sleep(0.002)
+
+
+# --- the child's side -------------------------------------------------------------
+class ParentWatch:
+    """Has the process that started us gone? (We are reparented when it dies.)"""
+
+    def __init__(self, parent_pid: int):
+        self.parent_pid = parent_pid
+
+    def gone(self) -> bool:
+        return os.getppid() != self.parent_pid
+
+
+def set_process_name(name: str) -> None:
+    """Best effort: show the child's name in top/ps (comm); argv carries it anyway."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except Exception:
+        pass
+
+
+def orphan_cleanup(shm_names, sem_names) -> None:
+    """An orphan unlinks what its dead parent would have: nothing stays in /dev/shm."""
+    unlink_names(shm_names, sem_names)
+
+
+def child_main(argv: list[str], parse, body) -> int:
+    """Entry point of a child: `argv` is [prog, name, spec_json]; runs body(parse(spec_json))."""
+    name, spec_json = argv[1], argv[2]
+    set_process_name(name)
+    return body(parse(spec_json))
