@@ -428,6 +428,7 @@ class EngineCore:
         with self._lock:
             if self._closed or self._closing:
                 raise EngineClosed("engine is closed")
+            self._check_accepting()
             if len(pages):
                 busy = self._reserved[pages] | (self._slot_op[pages] != 0)
                 if busy.any():
@@ -578,6 +579,9 @@ class EngineCore:
         threading.Thread(target=self.refresh, name="hicache_mp-rescan", daemon=True).start()
 
     # --- subclass hooks -------------------------------------------------------
+    def _check_accepting(self) -> None:
+        """Raise if the I/O side takes no more work (before anything is reserved)."""
+
     def _submit(self, op: Op) -> None: raise NotImplementedError
     def _probe(self, keys) -> set: return set()  # discovery; the mp engine's workers answer
     def _drain(self) -> int: raise NotImplementedError

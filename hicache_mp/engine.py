@@ -185,8 +185,10 @@ class PrefetchEngine(EngineCore):
                                            list(self._segments))
 
     # --- hooks ----------------------------------------------------------------
-    def _submit(self, op: Op) -> None:
+    def _check_accepting(self) -> None:
         self.pool.check()
+
+    def _submit(self, op: Op) -> None:
         n = op.num_pages
         recs = np.zeros(n, dtype=RECORD_DTYPE)
         recs["op_id"] = op.id
@@ -411,6 +413,8 @@ class PrefetchEngine(EngineCore):
             handle = self.pool.workers[index]
             if handle.stuck or handle in self.pool.starting or not handle.alive():
                 continue
+            started = self.control.heartbeat[index].view(np.int64)
+            age_s = (time.monotonic_ns() - int(started[started > 0].min())) / 1e9
             handle.stuck = True
             handle.child.kill()
             self._drain_ring(handle.completion)  # pages it did finish are good
@@ -418,10 +422,10 @@ class PrefetchEngine(EngineCore):
             self._fences.append((handle, slots))
             self._stuck_workers += 1
             self._stalled_pages += len(slots)
-            log.error("hicache_mp-worker-%d (pid %d) is stuck: a page I/O has run over "
+            log.error("hicache_mp-worker-%d (pid %d) is stuck: a page I/O has run %.1fs, over "
                       "stall_timeout_s=%ss; killed, %d page(s) failed (their host slots stay "
                       "reserved until it is gone); starting a replacement", index, handle.pid,
-                      self.config.stall_timeout_s, len(slots))
+                      age_s, self.config.stall_timeout_s, len(slots))
             self._respawn(handle)
 
     def _respawn(self, handle) -> None:

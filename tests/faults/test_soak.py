@@ -181,6 +181,7 @@ def test_soak(tmp_path, capsys):
     seed = int(os.environ.get("HICACHE_SOAK_SEED", time.time_ns() % 2**32))
     rng = random.Random(seed)
     depth = 1 + seed % 2  # the seed also picks inline workers or two lanes each
+    print(f"soak seed {seed}")
     with make(str(tmp_path), geo=GEO, layout="layer_first", pages=SLOTS, workers=3,
               worker_batch=4, write_checksum=True, quarantine_bad_files=True,
               io_depth=depth) as e:
