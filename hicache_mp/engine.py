@@ -413,8 +413,7 @@ class PrefetchEngine(EngineCore):
             handle = self.pool.workers[index]
             if handle.stuck or handle in self.pool.starting or not handle.alive():
                 continue
-            started = self.control.heartbeat[index].view(np.int64)
-            age_s = (time.monotonic_ns() - int(started[started > 0].min())) / 1e9
+            age_s = float(stalled[index])
             handle.stuck = True
             handle.child.kill()
             self._drain_ring(handle.completion)  # pages it did finish are good

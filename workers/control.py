@@ -113,13 +113,15 @@ class Control:
         waiting = w[:, READS_SUBMITTED].view(np.int64) > w[:, READS_DONE].view(np.int64)
         if not waiting.any():
             return False
-        return bool((waiting & ~self.stalled(num_workers, SLOW_IO_S)).any())
+        return bool((waiting & (self.stalled(num_workers, SLOW_IO_S) == 0)).any())
 
     def stalled(self, num_workers: int, limit_s: float, now_ns: int | None = None) -> np.ndarray:
-        """Per worker: is one of its page I/Os older than `limit_s`?"""
-        hb = self.heartbeat[:num_workers].view(np.int64)
+        """Per worker: how long its oldest page I/O has run (s) if over `limit_s`, else 0."""
+        hb = self.heartbeat[:num_workers].view(np.int64).copy()  # one snapshot: lanes move on
         now = time.monotonic_ns() if now_ns is None else now_ns
-        return ((hb > 0) & (hb < now - int(limit_s * 1e9))).any(axis=1)
+        hb[hb <= 0] = now
+        age = (now - hb.min(axis=1)) / 1e9
+        return np.where(age > limit_s, age, 0.0)
 
     def store_estimate(self) -> int:
         """Bytes the store holds, as far as this engine knows (see the module doc)."""

@@ -27,7 +27,7 @@ N = 16
 
 def _catch_in_read(e, victim, keys, slots):
     """Prefetch `keys` with `victim` frozen inside one of its reads; returns the op."""
-    for run_s in (0.0002, 0.0005, 0.001, 0.002):
+    for run_s in (0.0002, 0.0005, 0.001, 0.002, 0.0002, 0.0005, 0.001, 0.002):
         poison(e, slots)
         os.kill(victim.pid, signal.SIGSTOP)
         op = e.prefetch(keys, slots)
