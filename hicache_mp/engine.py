@@ -405,8 +405,16 @@ class PrefetchEngine(EngineCore):
             self._respawn(handle)
 
     def _watchdog(self) -> None:
-        """A worker with a page I/O older than stall_timeout_s is stuck (module docstring)."""
-        stalled = self.control.stalled(len(self.pool.workers), self.config.stall_timeout_s)
+        """A worker is stuck (module docstring) when one page I/O has run longer
+        than stall_timeout_s, or when records have waited in its rings that long
+        without it taking one (stuck outside a page I/O: stopped, or wedged)."""
+        limit = self.config.stall_timeout_s
+        stalled = self.control.stalled(len(self.pool.workers), limit)
+        now = time.monotonic()
+        for handle in self.pool.usable():
+            idle = handle.idle_with_work_s(now, limit / 4)
+            if idle > limit:
+                stalled[handle.index] = max(stalled[handle.index], idle)
         if not stalled.any():
             return
         for index in np.flatnonzero(stalled).tolist():
@@ -421,7 +429,7 @@ class PrefetchEngine(EngineCore):
             self._fences.append((handle, slots))
             self._stuck_workers += 1
             self._stalled_pages += len(slots)
-            log.error("hicache_mp-worker-%d (pid %d) is stuck: a page I/O has run %.1fs, over "
+            log.error("hicache_mp-worker-%d (pid %d) is stuck: no progress for %.1fs, over "
                       "stall_timeout_s=%ss; killed, %d page(s) failed (their host slots stay "
                       "reserved until it is gone); starting a replacement", index, handle.pid,
                       age_s, self.config.stall_timeout_s, len(slots))

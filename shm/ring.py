@@ -78,6 +78,10 @@ class Ring:
     def depth(self) -> int:
         return self._ctr[_TAIL] - self._ctr[_HEAD]
 
+    def consumed(self) -> int:
+        """Records the consumer has taken, ever (its progress, for a watchdog)."""
+        return self._ctr[_HEAD]
+
     def pending(self) -> bool:
         """Records are waiting: the consumer's cheap check before `pop`."""
         ctr = self._ctr

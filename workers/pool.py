@@ -104,6 +104,25 @@ class WorkerHandle:
     stuck: bool = False   # given up on (watchdog, or a failed start): never usable again
     rings_closed: bool = False
     start_error: str | None = None   # why it never became ready
+    # The engine's watchdog: what it last saw the worker take from its rings, and when.
+    seen_taken: tuple = (-1, -1)
+    seen_at: float = 0.0
+    looked_at: float = 0.0
+
+    def idle_with_work_s(self, now: float, watch_gap_s: float) -> float:
+        """How long the worker has had records queued without taking any (0: it
+        took one since the last look, or has none). One load per ring.
+
+        A gap between two looks longer than `watch_gap_s` restarts the count:
+        the caller did not poll then, so the worker may have sat on a full
+        completion ring, which is no fault of its own."""
+        taken = (self.submit.consumed(), self.write.consumed())
+        gap, self.looked_at = now - self.looked_at, now
+        if taken != self.seen_taken or gap > watch_gap_s or \
+                not (self.submit.pending() or self.write.pending()):
+            self.seen_taken, self.seen_at = taken, now
+            return 0.0
+        return now - self.seen_at
 
     @property
     def rings(self) -> tuple:

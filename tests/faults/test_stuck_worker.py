@@ -104,3 +104,26 @@ def test_a_stuck_read_does_not_hold_back_other_workers_backups(store):
         assert (op.page_status[mine] == st.OK).all()
         os.kill(victim.pid, signal.SIGKILL)
         assert e.wait(read, 10) and e.wait(op, 10)
+
+
+def test_worker_stuck_outside_a_page_io_is_caught_by_its_queue(store):
+    """Stopped while idle: no I/O is running, but the pages queued for it do not
+    move; past the stall limit it is treated as stuck all the same."""
+    keys = [f"q{i}" for i in range(N)]
+    with make(store, pages=2 * N, workers=2, stall_timeout_s=1.0) as e:
+        assert backup(e, keys, range(N)).status == "ok"
+        victim = e.pool.workers[1]
+        os.kill(victim.pid, signal.SIGSTOP)
+        op = e.prefetch(keys, range(N, 2 * N))
+        assert e.wait(op, 20), f"op hung behind a stopped worker: {op}"
+        assert op.status == "partial" and op.status_counts()["worker_died"] == N // 2
+        assert e.metrics()["stuck_workers"] == 1
+        assert e.pool.workers[1].pid != victim.pid
+        deadline = time.monotonic() + 10
+        while e.metrics()["workers_starting"] or e.metrics()["fenced_pages"]:
+            assert time.monotonic() < deadline
+            e.poll()
+            time.sleep(0.01)
+        again = prefetch(e, keys, range(N, 2 * N))
+        assert again.status == "ok" and not wrong_pages(
+            e, again, lambda k: {fingerprint(content(k, e.geometry.page_bytes))})
