@@ -100,10 +100,15 @@ def test_reads_still_go_before_queued_writes(store):
         assert wop.landed_seq.min() > sorted(rop.landed_seq)[-2], (rop.landed_seq, wop.landed_seq)
 
 
-@pytest.mark.parametrize("bad", [-1, 33, 2.5, "4"])
+@pytest.mark.parametrize("bad", [-1, 33, 2.5, "four", True])
 def test_a_bad_depth_is_refused_before_any_worker(store, bad):
     with pytest.raises(ValueError, match="io_depth"):
         EngineConfig(storage_dir=store, io_depth=bad)
+
+
+def test_a_depth_written_as_text_is_parsed(store):
+    # Extra configs and hand-written JSON give numbers as strings (config.parse_value).
+    assert EngineConfig(storage_dir=store, io_depth="4").io_depth == 4
 
 
 def test_auto_depth_is_two_with_direct_io_and_one_buffered(store):
