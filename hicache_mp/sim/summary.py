@@ -164,6 +164,9 @@ def format_comparison(rows: dict[str, dict], baseline: str) -> str:
     return "\n".join(out)
 
 
+LEVEL = 1.05   # mean TTFTs closer than this are "level": run-to-run noise on a small box
+
+
 def format_verdict(rows: dict[str, dict], ours: str = "mp") -> str:
     """One line in words: how much faster (mean TTFT) `ours` is than each other
     storage run of this table; `none` (no storage at all) is the ideal, not a rival."""
@@ -171,15 +174,18 @@ def format_verdict(rows: dict[str, dict], ours: str = "mp") -> str:
     rivals = [n for n in rows if n not in (ours, "none") and rows[n].get("ttft_mean_s")]
     if not mine or not rivals:
         return ""
+    def times(r):
+        return f"{r:.2f}x" if r < 2 else f"{r:.1f}x"
+
     parts = []
     for name in rivals:
         r = rows[name]["ttft_mean_s"] / mine
-        if r >= 1.005:
-            parts.append(f"{r:.1f}x faster than {name}")
-        elif r > 1 / 1.005:
-            parts.append(f"level with {name}")
+        if r >= LEVEL:
+            parts.append(f"{times(r)} faster than {name}")
+        elif r > 1 / LEVEL:
+            parts.append(f"level with {name} (within {LEVEL - 1:.0%})")
         else:
-            parts.append(f"{1 / r:.1f}x slower than {name}")
+            parts.append(f"{times(1 / r)} slower than {name}")
     line = f"Verdict (mean TTFT, this run): {ours} is " + ", ".join(parts)
     base = rows.get("none", {}).get("ttft_mean_s")
     if base:
