@@ -219,15 +219,17 @@ def test_roundtrip_every_pool_kind(make, stacks):
 def write_scenario(b, s, keys):
     """The same sequence of writes, sidecars before KV as SGLang's controller does:
     KV for 8 pages; Mamba states at the ends of prefixes 3, 5 and 8; an SWA window
-    of 2 pages at the ends of prefixes 4 and 8; the indexer for pages 0..5 only."""
+    of 2 pages at the ends of prefixes 1 (one page: the window is cut at the
+    start), 4 and 8; the indexer for pages 0..5 only."""
     n = len(keys)
     pages = list(range(n))
     out = []
     for end in (3, 5, 8):
         out.append(b.batch_set_v2([mamba_t(s, keys[end - 1:end], [end - 1])]))
-    for end in (4, 8):
-        out.append(b.batch_set_v2([tok_t(PoolName.SWA, s.swa, keys[end - 2:end],
-                                         pages[end - 2:end], TRAIL)]))
+    for end in (1, 4, 8):
+        start = max(0, end - 2)
+        out.append(b.batch_set_v2([tok_t(PoolName.SWA, s.swa, keys[start:end],
+                                         pages[start:end], TRAIL)]))
     out.append(b.batch_set_v2([tok_t(PoolName.INDEXER, s.indexer, keys[:6], pages[:6])]))
     out.append(b.batch_set_v2([kv_t(s, keys, pages)]))
     return out

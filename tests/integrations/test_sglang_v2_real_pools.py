@@ -2,7 +2,7 @@
 
 MambaPoolHost, MHATokenToKVPoolHost (KV and SWA), MLATokenToKVPoolHost (a
 DeepSeek V4 compressed pool) and DSAIndexerPoolHost, built on CPU with
-SGLang's shm allocator (`sglang_real_pools`; its docstring says what must be
+SGLang's shm allocator (scripts/sglang_real_hybrid.py; its docstring says what must be
 installed: .ci/sglang-stack-requirements.txt, no torchvision). Skipped, naming
 the missing module, where the pool classes cannot be imported.
 """
@@ -12,8 +12,10 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import sglang_real_pools as real  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "scripts"))
+import sglang_real_hybrid as real  # noqa: E402
 
 try:
     S = real.load()

@@ -1,4 +1,5 @@
-"""SGLang 0.5.23's REAL hybrid host pools, built on a CPU machine where possible.
+"""SGLang 0.5.23's REAL hybrid host pools, built outside a server (on CPU too),
+for scripts/sglang_hybrid_check.py and tests/integrations/test_sglang_v2_real_pools.py.
 
 The import chain is scripts/sglang_real.py's (`import_stack()`: transformers
 and the modules of .ci/sglang-stack-requirements.txt, and a placeholder for
@@ -18,8 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "scripts"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sglang_real  # noqa: E402
 
 
