@@ -94,8 +94,8 @@ class PrefetchEngine(EngineCore):
         self.stale_removed = clean_stale()
         self.tag = new_owner_tag()
         self._segments = []
-        self.pool = None
-        self.evictor = None
+        self._pool = None
+        self._evictor = None
         self._fences: list = []     # (killed stuck worker, host slots held until it is reaped)
         self._stuck_workers = 0
         self._stalled_pages = 0
@@ -131,13 +131,13 @@ class PrefetchEngine(EngineCore):
                                       create=own_fd is None, populate=config.populate,
                                       fd=None if own_fd is None else own_fd.fd)
             self._segments.append(self.host_pool)
-            self.control = Control(self.tag + ".ctl", create=True)
-            self._segments.append(self.control)
-            self._pins = self.control.pins  # the evictor reads the same table
+            self._control = Control(self.tag + ".ctl", create=True)
+            self._segments.append(self._control)
+            self._pins = self._control.pins  # the evictor reads the same table
             self.done_sem = WakeSemaphore(self.tag + ".done", create=True)
             self._segments.append(self.done_sem)
             headroom = 0
-            orphan_shm = [self.host_pool.name, self.control.name]
+            orphan_shm = [self.host_pool.name, self._control.name]
             orphan_sem = [self.done_sem.name]
             if config.capacity_limited:
                 file_bytes = pagefile.HEADER_SIZE + geometry.page_bytes
@@ -147,16 +147,16 @@ class PrefetchEngine(EngineCore):
                     raise ValueError(f"storage_max_bytes={config.storage_max_bytes} holds too few "
                                      f"pages of {file_bytes} bytes; give it at least "
                                      f"{2 * headroom + file_bytes}")
-                self.control.words[MAX_BYTES] = config.storage_max_bytes
-                self.control.words[MIN_FREE] = config.storage_min_free_bytes
-                self.evictor = EvictorProcess(tag=self.tag, control=self.control,
+                self._control.words[MAX_BYTES] = config.storage_max_bytes
+                self._control.words[MIN_FREE] = config.storage_min_free_bytes
+                self._evictor = EvictorProcess(tag=self.tag, control=self._control,
                                               storage_dir=config.storage_dir,
                                               interval_s=config.eviction_interval_s,
                                               headroom=headroom)
-                self._segments.append(self.evictor)
-                self.evictor.start(config.worker_start_timeout_s)
-                orphan_shm.append(self.evictor.ring.name)
-                orphan_sem.append(self.evictor.wake.name)
+                self._segments.append(self._evictor)
+                self._evictor.start(config.worker_start_timeout_s)
+                orphan_shm.append(self._evictor.ring.name)
+                orphan_sem.append(self._evictor.wake.name)
             spec = WorkerSpec(
                 storage_dir=config.storage_dir, geometry=geometry.to_dict(),
                 pool_name=self.host_pool.name, pool_pages=config.host_pool_pages,
@@ -166,12 +166,12 @@ class PrefetchEngine(EngineCore):
                 worker_batch=config.worker_batch, reads_per_write=config.reads_per_write,
                 direct_io=self.direct_io, io_depth=config.resolved_io_depth(self.direct_io),
                 num_workers=workers, capacity=config.capacity_limited,
-                evict_sem=self.evictor.wake.name if self.evictor else None,
-                evict_headroom=headroom, control=self.control.name, done_sem=self.done_sem.name,
+                evict_sem=self._evictor.wake.name if self._evictor else None,
+                evict_headroom=headroom, control=self._control.name, done_sem=self.done_sem.name,
                 ring_capacity=ring_capacity, orphan_shm=tuple(orphan_shm),
                 orphan_sem=tuple(orphan_sem))
             pin = worker_cpus() if config.pin_workers else None
-            self.pool = WorkerPool(num_workers=workers, tag=self.tag, control=self.control,
+            self._pool = WorkerPool(num_workers=workers, tag=self.tag, control=self._control,
                                    spec=spec, ring_capacity=ring_capacity, pin_cpus=pin,
                                    start_timeout_s=config.worker_start_timeout_s)
         except BaseException:
@@ -181,12 +181,12 @@ class PrefetchEngine(EngineCore):
         self._evictor_failed = None
         self._last_health = time.monotonic()
         # Segments go even if the caller forgets close() or an exception unwinds.
-        self._finalizer = weakref.finalize(self, _cleanup, os.getpid(), self.pool,
+        self._finalizer = weakref.finalize(self, _cleanup, os.getpid(), self._pool,
                                            list(self._segments))
 
     # --- hooks ----------------------------------------------------------------
     def _check_accepting(self) -> None:
-        self.pool.check()
+        self._pool.check()
 
     def _submit(self, op: Op) -> None:
         n = op.num_pages
@@ -198,7 +198,7 @@ class PrefetchEngine(EngineCore):
         recs["digest"] = np.frombuffer(b"".join(op.digests), dtype=np.uint8).reshape(n, 32)
         # Ready workers only; with none ready (all being replaced), pages wait in
         # the replacements' rings (workers.pool).
-        workers = self.pool.usable() or self.pool.starting
+        workers = self._pool.usable() or self._pool.starting
         if not workers:
             raise BrokenPool("no worker can take work")
         nw = len(workers)
@@ -226,7 +226,7 @@ class PrefetchEngine(EngineCore):
             else:
                 # Counted before the push: a worker may finish a page before we
                 # could count it after (workers.control: reads outstanding).
-                counts = self.control.workers[handle.index]
+                counts = self._control.workers[handle.index]
                 counts[READS_SUBMITTED] += np.uint64(len(share))
                 pushed = handle.submit.push(share)
                 counts[READS_SUBMITTED] -= np.uint64(len(share) - pushed)
@@ -242,9 +242,9 @@ class PrefetchEngine(EngineCore):
     def _probe(self, keys) -> set:
         """Hand probes for `keys` (the first is missing from the index) to the
         workers; the digests still unanswered among them (hicache_mp.discovery)."""
-        if self.pool is None or self.pool.closed or self.pool.broken:
+        if self._pool is None or self._pool.closed or self._pool.broken:
             return set()
-        workers = self.pool.usable()
+        workers = self._pool.usable()
         if not workers:
             return set()
         ns, disc, now = self.namespace, self._discovery, time.monotonic()
@@ -274,16 +274,16 @@ class PrefetchEngine(EngineCore):
         return set(sent)
 
     def _drain(self) -> int:
-        if self.pool is None or self.pool.closed:
+        if self._pool is None or self._pool.closed:
             return 0
         n = 0
-        for handle in self.pool.workers:
+        for handle in self._pool.workers:
             # Most polls find nothing: keep them to a load each.
             if not handle.rings_closed and handle.completion.pending():
                 n += self._drain_ring(handle.completion)
-        if self.evictor is not None and self.evictor.ring.pending():
+        if self._evictor is not None and self._evictor.ring.pending():
             discard = self._index.digests.discard
-            for digest in self.evictor.pop()["digest"]:
+            for digest in self._evictor.pop()["digest"]:
                 discard(digest.tobytes())
         if time.monotonic() - self._last_health > HEALTH_CHECK_S:
             self._last_health = time.monotonic()
@@ -344,7 +344,7 @@ class PrefetchEngine(EngineCore):
     def _health(self) -> None:
         """Watch the children: none of this waits for a process (module docstring)."""
         self._replace_dead()
-        ready, failed = self.pool.poll_starting()
+        ready, failed = self._pool.poll_starting()
         for handle in ready:
             log.info("hicache_mp-worker-%d (pid %d) is ready", handle.index, handle.pid)
         for handle in failed:
@@ -353,7 +353,7 @@ class PrefetchEngine(EngineCore):
                         "failed; trying again", handle.index, handle.start_error, n)
             self._respawn(handle)
         self._watchdog()
-        for handle in self.pool.reaped():
+        for handle in self._pool.reaped():
             for h, slots in [f for f in self._fences if f[0] is handle]:
                 self._reserved[slots] = False
             self._fences = [f for f in self._fences if f[0] is not handle]
@@ -376,8 +376,8 @@ class PrefetchEngine(EngineCore):
         return slots
 
     def _replace_dead(self) -> None:
-        ev = self.evictor
-        if ev is not None and not self.pool.closed:
+        ev = self._evictor
+        if ev is not None and not self._pool.closed:
             if ev.child is not None and ev.child is not self._evictor_failed:
                 try:
                     ev.check_start()
@@ -390,7 +390,7 @@ class PrefetchEngine(EngineCore):
                             ev.proc.returncode if ev.proc else None)
                 ev.respawns += 1
                 ev.start(self.config.worker_start_timeout_s, wait=False)
-        for handle in self.pool.dead():
+        for handle in self._pool.dead():
             if not handle.rings_closed:
                 self._drain_ring(handle.completion)  # what it finished before dying still counts
             failed = len(self._fail_pages(handle.index))
@@ -409,17 +409,17 @@ class PrefetchEngine(EngineCore):
         than stall_timeout_s, or when records have waited in its rings that long
         without it taking one (stuck outside a page I/O: stopped, or wedged)."""
         limit = self.config.stall_timeout_s
-        stalled = self.control.stalled(len(self.pool.workers), limit)
+        stalled = self._control.stalled(len(self._pool.workers), limit)
         now = time.monotonic()
-        for handle in self.pool.usable():
+        for handle in self._pool.usable():
             idle = handle.idle_with_work_s(now, limit / 4)
             if idle > limit:
                 stalled[handle.index] = max(stalled[handle.index], idle)
         if not stalled.any():
             return
         for index in np.flatnonzero(stalled).tolist():
-            handle = self.pool.workers[index]
-            if handle.stuck or handle in self.pool.starting or not handle.alive():
+            handle = self._pool.workers[index]
+            if handle.stuck or handle in self._pool.starting or not handle.alive():
                 continue
             age_s = float(stalled[index])
             handle.stuck = True
@@ -437,7 +437,7 @@ class PrefetchEngine(EngineCore):
 
     def _respawn(self, handle) -> None:
         try:
-            self.pool.respawn(handle)
+            self._pool.respawn(handle)
         except BrokenPool as exc:
             log.error("hicache_mp: %s; the engine takes no more work", exc)
 
@@ -452,7 +452,7 @@ class PrefetchEngine(EngineCore):
             return
         with self._lock:
             holders = sorted({int(w) for w in op.worker_of[op.page_status == st.PENDING]})
-            pids = [self.pool.workers[i].pid for i in holders if i < len(self.pool.workers)]
+            pids = [self._pool.workers[i].pid for i in holders if i < len(self._pool.workers)]
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -464,7 +464,7 @@ class PrefetchEngine(EngineCore):
         self.wait(op)
 
     def _cancel_io(self, op: Op) -> None:
-        self.control.cancel(op.id)
+        self._control.cancel(op.id)
 
     def _sleep_for_completion(self, timeout_s: float) -> None:
         # The lock makes the counter update atomic across waiting threads (SGLang
@@ -473,7 +473,7 @@ class PrefetchEngine(EngineCore):
         with self._lock:
             if self._released:
                 return
-            self.control.words[WAITERS] += 1
+            self._control.words[WAITERS] += 1
             # Re-check after announcing ourselves: a completion pushed before the
             # announcement posted nothing. The short cap covers the remaining race.
             drained = self._drain()
@@ -482,16 +482,16 @@ class PrefetchEngine(EngineCore):
                 self.done_sem.wait(min(timeout_s, 0.005))
         finally:
             with self._lock:
-                self.control.words[WAITERS] -= 1
+                self._control.words[WAITERS] -= 1
 
     def _shutdown_io(self) -> None:
-        self.control.words[STOP] = 1  # the evictor watches it too
-        if self.pool is not None:
-            self.pool.stop()
-            for handle in self.pool.workers:  # pages finished before the stop still count
+        self._control.words[STOP] = 1  # the evictor watches it too
+        if self._pool is not None:
+            self._pool.stop()
+            for handle in self._pool.workers:  # pages finished before the stop still count
                 if not handle.rings_closed:
                     self._drain_ring(handle.completion)
-            self.pool.close()
+            self._pool.close()
 
     def _wake_sleepers(self) -> None:
         for _ in range(self._sleepers):
@@ -508,37 +508,37 @@ class PrefetchEngine(EngineCore):
         self._segments = []
 
     def _num_workers(self) -> int:
-        return len(self.pool) if self.pool else 0
+        return len(self._pool) if self._pool else 0
 
     def _worker_pids(self) -> list:
-        return [h.pid for h in self.pool.workers] if self.pool else []
+        return [h.pid for h in self._pool.workers] if self._pool else []
 
     def _io_metrics(self, now_ns: int) -> dict:
         wall = (now_ns - self._start_ns) / 1e9
-        stats = self.control.workers[:len(self.pool)] if self.pool and not self._closed else []
+        stats = self._control.workers[:len(self._pool)] if self._pool and not self._closed else []
         return {
             "worker_busy": [round(int(s[BUSY_NS]) / 1e9 / wall, 4) if wall else 0.0 for s in stats],
             "worker_pages": [int(s[PAGES]) for s in stats],
             "worker_bytes": [int(s[BYTES]) for s in stats],
             "ring_depth": [0 if h.rings_closed else h.submit.depth() + h.write.depth()
-                           for h in self.pool.workers] if self.pool else [],
+                           for h in self._pool.workers] if self._pool else [],
             "write_ring_depth": [0 if h.rings_closed else h.write.depth()
-                                 for h in self.pool.workers] if self.pool else [],
-            "respawns": self.pool.respawns if self.pool else 0,
-            "workers_starting": len(self.pool.starting) if self.pool else 0,
+                                 for h in self._pool.workers] if self._pool else [],
+            "respawns": self._pool.respawns if self._pool else 0,
+            "workers_starting": len(self._pool.starting) if self._pool else 0,
             "stuck_workers": self._stuck_workers,
             "stalled_pages": self._stalled_pages,
             "fenced_pages": sum(len(s) for _, s in self._fences),
-            "broken": self.pool.broken if self.pool else None,
+            "broken": self._pool.broken if self._pool else None,
             "direct_io": self.direct_io,
             "direct_io_reason": self.direct_io_reason,
             "io_depth": self.config.resolved_io_depth(self.direct_io),
             "backup_budget_pages": self._backup_budget,
             "backup_pages_held": self._write_pages,
-            "evicted_pages": self.evictor.evicted_pages if self.evictor else 0,
-            "evicted_bytes": self.evictor.evicted_bytes if self.evictor else 0,
-            "store_bytes_estimate": self.control.store_estimate()
-            if self.evictor and not self._closed else None,
+            "evicted_pages": self._evictor.evicted_pages if self._evictor else 0,
+            "evicted_bytes": self._evictor.evicted_bytes if self._evictor else 0,
+            "store_bytes_estimate": self._control.store_estimate()
+            if self._evictor and not self._closed else None,
             "stale_segments_removed": len(self.stale_removed),
             "probes_sent": self._discovery.sent,
             "probes_found": self._discovery.found,

@@ -28,7 +28,7 @@ from workers.control import PAGES  # noqa: E402
 
 
 def landed(eng) -> int:
-    return int(sum(int(eng.control.workers[i][PAGES]) for i in range(len(eng.pool))))
+    return int(sum(int(eng._control.workers[i][PAGES]) for i in range(len(eng._pool))))
 
 
 def one_drain(eng, keys, ops_per_drain: int) -> float:

@@ -53,7 +53,7 @@ def test_engine_starts_inside_a_daemonic_process(store):
 
 def test_workers_import_no_torch(store):
     with engine(store, pages=2, workers=1) as e:
-        pid = e.pool.workers[0].pid
+        pid = e._pool.workers[0].pid
         maps = open(f"/proc/{pid}/maps").read()
         assert "libtorch" not in maps, "a worker loaded torch"
         rss_mb = psutil.Process(pid).memory_info().rss / 2**20

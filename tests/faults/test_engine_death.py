@@ -29,7 +29,7 @@ import json, sys
 sys.path.insert(0, sys.argv[2])
 from faultkit import BIG, backup, make
 e = make(sys.argv[1], geo=BIG, pages=16, workers=2, worker_batch=1)
-print(json.dumps({"tag": e.tag, "workers": [w.pid for w in e.pool.workers]}), flush=True)
+print(json.dumps({"tag": e.tag, "workers": [w.pid for w in e._pool.workers]}), flush=True)
 batch = 0
 while True:
     keys = [f"b{batch}-{i}" for i in range(8)]

@@ -35,7 +35,7 @@ def test_flush_is_bounded_and_flush_false_cancels(store):
     keys = [f"t{i}" for i in range(N)]
     e = make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1)
     _fill(e, keys, range(N))
-    os.kill(e.pool.workers[1].pid, signal.SIGSTOP)  # its half of the backup cannot finish
+    os.kill(e._pool.workers[1].pid, signal.SIGSTOP)  # its half of the backup cannot finish
     op = e.backup(keys, range(N))
     t0 = time.monotonic()
     e.close(timeout_s=1.0)
@@ -50,7 +50,7 @@ def test_flush_false_does_not_wait(store):
     keys = [f"n{i}" for i in range(N)]
     e = make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1)
     _fill(e, keys, range(N))
-    os.kill(e.pool.workers[1].pid, signal.SIGSTOP)
+    os.kill(e._pool.workers[1].pid, signal.SIGSTOP)
     op = e.backup(keys, range(N))
     t0 = time.monotonic()
     e.close(flush=False)

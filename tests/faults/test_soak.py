@@ -86,7 +86,7 @@ class Soak:
     def kill_worker(self):
         if self.e.metrics()["respawns"] < self.kills:  # the last victim is not replaced yet
             return
-        ready = self.e.pool.usable()
+        ready = self.e._pool.usable()
         if not ready:
             return
         os.kill(self.rng.choice(ready).pid, signal.SIGKILL)

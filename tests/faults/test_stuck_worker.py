@@ -44,7 +44,7 @@ def test_stuck_worker_is_failed_fenced_and_replaced(store):
     slots = list(range(N, 2 * N))
     with make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1) as e:
         assert backup(e, keys, range(N)).status == "ok"
-        victim = e.pool.workers[1]
+        victim = e._pool.workers[1]
         op = _catch_in_read(e, victim, keys, slots)
         # Stepping the worker through reads (above) makes a healthy read last
         # seconds of wall time: the stall limit is lowered once it is caught.
@@ -72,7 +72,7 @@ def test_stuck_worker_is_failed_fenced_and_replaced(store):
         assert not os.path.exists(f"/proc/{victim.pid}"), "fence lifted before the worker was reaped"
         assert all(get(e, s) == frozen[s] for s in failed), "a failed page's slot changed later"
         # Replaced, and the next op works on every page.
-        assert e.pool.workers[1].pid != victim.pid
+        assert e._pool.workers[1].pid != victim.pid
         again = prefetch(e, keys, slots)
         assert again.status == "ok" and not wrong_pages(
             e, again, lambda k: {fingerprint(content(k, e.geometry.page_bytes))})
@@ -85,7 +85,7 @@ def test_a_stuck_read_does_not_hold_back_other_workers_backups(store):
     keys = [f"r{i}" for i in range(N)]
     with make(store, geo=BIG, pages=4 * N + 48, workers=2, worker_batch=1) as e:
         assert backup(e, keys, range(N)).status == "ok"
-        victim = e.pool.workers[1]
+        victim = e._pool.workers[1]
         read = _catch_in_read(e, victim, keys, list(range(N, 2 * N)))
         pb = e.geometry.page_bytes
         wkeys = [f"w{i}" for i in range(48)]
@@ -112,13 +112,13 @@ def test_worker_stuck_outside_a_page_io_is_caught_by_its_queue(store):
     keys = [f"q{i}" for i in range(N)]
     with make(store, pages=2 * N, workers=2, stall_timeout_s=1.0) as e:
         assert backup(e, keys, range(N)).status == "ok"
-        victim = e.pool.workers[1]
+        victim = e._pool.workers[1]
         os.kill(victim.pid, signal.SIGSTOP)
         op = e.prefetch(keys, range(N, 2 * N))
         assert e.wait(op, 20), f"op hung behind a stopped worker: {op}"
         assert op.status == "partial" and op.status_counts()["worker_died"] == N // 2
         assert e.metrics()["stuck_workers"] == 1
-        assert e.pool.workers[1].pid != victim.pid
+        assert e._pool.workers[1].pid != victim.pid
         deadline = time.monotonic() + 10
         while e.metrics()["workers_starting"] or e.metrics()["fenced_pages"]:
             assert time.monotonic() < deadline

@@ -34,14 +34,14 @@ def test_worker_killed_with_pages_queued(store):
     keys = [f"q{i}" for i in range(N)]
     with make(store, pages=2 * N, workers=2, worker_batch=1) as e:
         assert backup(e, keys, range(N)).status == "ok"
-        victim = e.pool.workers[1]  # page 0 goes to worker 0, so some pages lead
+        victim = e._pool.workers[1]  # page 0 goes to worker 0, so some pages lead
         os.kill(victim.pid, signal.SIGSTOP)  # freeze it with its share still queued
         op = e.prefetch(keys, range(N, 2 * N))
         os.kill(victim.pid, signal.SIGKILL)
         _wait_bounded(e, op)
         assert op.status == "partial" and op.status_counts().get("worker_died", 0) > 0
         assert not wrong_pages(e, op, _allowed(e))
-        assert e.metrics()["respawns"] == 1 and e.pool.workers[1].pid != victim.pid
+        assert e.metrics()["respawns"] == 1 and e._pool.workers[1].pid != victim.pid
         again = prefetch(e, keys, range(N, 2 * N))
         assert again.status == "ok" and not wrong_pages(e, again, _allowed(e))
 
@@ -59,7 +59,7 @@ def test_worker_killed_mid_read(store, depth):
     keys = [f"r{i}" for i in range(N)]
     with make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1, io_depth=depth) as e:
         assert backup(e, keys, range(N)).status == "ok"
-        victim = e.pool.workers[1]
+        victim = e._pool.workers[1]
         # Reads are quick (2 MiB from the page cache), so on a loaded box a pass
         # can miss every window; a missed pass is let finish and tried again,
         # with another step length (reads can be repeated; writes, below, are
@@ -91,7 +91,7 @@ def test_worker_killed_mid_write(store, depth):
         pb = e.geometry.page_bytes
         for i, k in enumerate(keys):
             put(e, i, content(k, pb))
-        victim = e.pool.workers[1]
+        victim = e._pool.workers[1]
         os.kill(victim.pid, signal.SIGSTOP)
         op = e.backup(keys, range(N))
         tmp = stop_during_io(victim.pid, lambda p: naming.TMP_MARK in p, run_s=_step_s(depth))

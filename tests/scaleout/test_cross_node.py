@@ -131,7 +131,7 @@ keys = [f"k{i}" for i in range(8)]
 e = make(sys.argv[1], geo=BIG, pages=8, workers=2, worker_batch=1)
 for i, k in enumerate(keys):
     put(e, i, content(k, e.geometry.page_bytes))
-print(" ".join(str(w.pid) for w in e.pool.workers), flush=True)
+print(" ".join(str(w.pid) for w in e._pool.workers), flush=True)
 sys.stdin.readline()          # the parent has stopped a worker: go
 op = e.backup(keys, range(8))
 e.wait(op, 600)
@@ -169,7 +169,7 @@ def test_node_killed_mid_write_leaves_no_page_and_spares_a_live_writer(nodes):
     with make(nodes.b, geo=BIG, pages=16, workers=1, worker_batch=1) as writer:
         pb = writer.geometry.page_bytes
         put(writer, 0, content("live", pb, 7))
-        victim = writer.pool.workers[0].pid
+        victim = writer._pool.workers[0].pid
         os.kill(victim, signal.SIGSTOP)
         op = writer.backup(["live"], [0])
         tmp_b = stop_during_io(victim, lambda p: naming.TMP_MARK in p)

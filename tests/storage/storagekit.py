@@ -89,7 +89,7 @@ def drop_cache(path: str) -> None:
 
 
 def stop_workers(eng) -> list[int]:
-    pids = [h.pid for h in eng.pool.workers]
+    pids = [h.pid for h in eng._pool.workers]
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     return pids
