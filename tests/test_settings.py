@@ -90,3 +90,24 @@ def test_flags_and_sglang_keys_cover_the_old_ones():
         "rescan_interval_s", "direct_io", "io_depth", "fsync", "backup_budget_pages",
         "storage_max_bytes", "storage_min_free_bytes", "reads_per_write", "eviction_interval_s",
         "quarantine_bad_files"}
+
+
+def _readme_section(start: str, end: str) -> str:
+    import os
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             "README.md")).read()
+    return text[text.index(start):text.index(end, text.index(start))]
+
+
+def test_the_readme_lists_every_flag_and_extra_config_key():
+    """The one declaration also reaches the documentation: a flag or key added
+    without a README row fails here."""
+    flags = _readme_section("## Flags", "## Storage")
+    for f in config.settings():
+        flag = f.metadata["setting"].flag
+        if flag:
+            assert f"`{flag}" in flags, f"README's Flags table lacks {flag}"
+    keys = _readme_section("**Extra-config keys**", "A bad value is")
+    adapter = pytest.importorskip("hicache_mp.integrations.sglang")
+    for key in config.sglang_keys() | config.sglang_keys(adapter.AdapterConfig):
+        assert f"`{key}`" in keys, f"README's extra-config table lacks {key}"

@@ -101,6 +101,8 @@ class AdapterConfig:
     def __post_init__(self):
         for f in settings(type(self)):
             setattr(self, f.name, parse_value(f, getattr(self, f.name)))
+
+
 HOW_TO_ZERO_COPY = ('For zero-copy start SGLang with "allocator":"shm" in '
                     '--hicache-storage-backend-extra-config (SGLang >= 0.5.17) and '
                     '--hicache-mem-layout layer_first or page_first_direct')
