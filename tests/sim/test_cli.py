@@ -6,23 +6,24 @@ import sys
 import pytest
 
 from hicache_mp import cli
+from hicache_mp.config import settings
 
 FLAGS = ("--quick", "--hicache-storage-backend", "--hicache-mp-workers",
          "--hicache-storage-prefetch-policy", "--prefetch-timeout-s", "--page-size",
          "--hicache-mem-layout", "--storage-dir", "--scheduler-yield-ms", "--num-requests",
          "--seed", "--host-pool-pages", "--json", "--plot", "--no-verify", "--device-load",
          "--fast-file-read-workers", "--fast-file-write-workers", "--merge",
-         "--scheduler-idle-sleep0",
-         # storage flags (hicache_mp.config.add_engine_flags)
-         "--hicache-mp-direct-io", "--hicache-mp-io-depth", "--hicache-mp-fsync",
-         "--hicache-mp-backup-budget-pages",
-         "--storage-max-bytes", "--storage-min-free-bytes")
+         "--scheduler-idle-sleep0")
+# Engine flags come from the settings registry (hicache_mp.config): each must be in --help.
+ENGINE_FLAGS = tuple(f.metadata["setting"].flag for f in settings()
+                     if f.metadata["setting"].flag and f.metadata["setting"].flag not in FLAGS)
 
 
 def test_help_lists_every_flag_with_defaults():
     out = subprocess.run([sys.executable, "-m", "hicache_mp.cli", "bench", "--help"],
                          capture_output=True, text=True, check=True).stdout
-    for flag in FLAGS:
+    assert "--hicache-mp-direct-io" in ENGINE_FLAGS and "--storage-max-bytes" in ENGINE_FLAGS
+    for flag in FLAGS + ENGINE_FLAGS:
         assert flag in out, flag
     text = " ".join(out.split())
     for shown in ("(default: wait_complete)", "(default: 64)", "(default: page_first)",
@@ -31,7 +32,7 @@ def test_help_lists_every_flag_with_defaults():
     parser_flags = {a for act in cli._bench_parser(
         __import__("argparse").ArgumentParser().add_subparsers())._actions
         for a in act.option_strings if a.startswith("--") and a != "--help"}
-    assert parser_flags == set(FLAGS)
+    assert parser_flags == set(FLAGS + ENGINE_FLAGS)
 
 
 def test_small_run_prints_table_and_writes_json(tmp_path, capsys):
