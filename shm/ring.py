@@ -78,6 +78,12 @@ class Ring:
     def depth(self) -> int:
         return self._ctr[_TAIL] - self._ctr[_HEAD]
 
+    def reset(self) -> None:
+        """Empty the ring for a new pair of users. Only while nothing else maps it
+        (its old producer or consumer process is gone)."""
+        self._ctr[_HEAD] = 0
+        self._ctr[_TAIL] = 0
+
     def consumed(self) -> int:
         """Records the consumer has taken, ever (its progress, for a watchdog)."""
         return self._ctr[_HEAD]

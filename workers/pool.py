@@ -200,16 +200,25 @@ class WorkerPool:
                 raise BrokenPool("pool is closed")
 
     # --- lifecycle ----------------------------------------------------------
-    def _spawn(self, index: int, generation: int) -> WorkerHandle:
+    def _spawn(self, index: int, generation: int, reuse: tuple | None = None) -> WorkerHandle:
+        """Launch worker `index`: on new rings, or on `reuse`, the emptied rings of a
+        predecessor that is gone (reaped): a replacement then needs no new
+        /dev/shm, so it starts even when something else has filled /dev/shm."""
         base = f"{self.tag}.w{index}g{generation}"
         made = []
         try:
-            made.append(Ring(base + ".sub", self.ring_capacity, create=True))
-            made.append(Ring(base + ".wsub", self.ring_capacity, create=True))
-            # Both submit rings may be full at once: the completion ring holds both.
-            made.append(Ring(base + ".cpl", 2 * self.ring_capacity, create=True))
-            made.append(WakeSemaphore(base + ".wake", create=True))
-            submit, write, completion, wake = made
+            if reuse is None:
+                made.append(Ring(base + ".sub", self.ring_capacity, create=True))
+                made.append(Ring(base + ".wsub", self.ring_capacity, create=True))
+                # Both submit rings may be full at once: the completion ring holds both.
+                made.append(Ring(base + ".cpl", 2 * self.ring_capacity, create=True))
+                made.append(WakeSemaphore(base + ".wake", create=True))
+                submit, write, completion, wake = made
+            else:
+                submit, write, completion, wake = reuse
+                for ring in (submit, write, completion):
+                    ring.reset()
+                wake.drain()
             row = self.control.workers[index]
             row[READY_PID] = 0
             # The reads the dead worker held were failed by the engine: none of them
@@ -262,19 +271,27 @@ class WorkerPool:
         BrokenPool (and the pool is broken) if it cannot even be launched.
         """
         self.check()
-        handle.close_rings()
         if handle.start_error is not None:
             self._start_failures[handle.index] += 1
             if self._start_failures[handle.index] >= MAX_START_FAILURES:
                 self._break(f"could not replace hicache_mp-worker-{handle.index}: "
                             f"{handle.start_error}")
+                handle.close_rings()
                 raise BrokenPool(self.broken)
+        reuse = None
+        if handle.alive() or handle.rings_closed:
+            handle.close_rings()  # a killed worker may still map them until it is reaped
+        else:
+            reuse, handle.rings_closed = handle.rings, True  # the replacement owns them now
         if handle.stuck:
             handle.child.kill()  # it may sit in the kernel a while before it dies
             self.dying.append(handle)
         try:
-            new = self._spawn(handle.index, handle.generation + 1)
+            new = self._spawn(handle.index, handle.generation + 1, reuse)
         except Exception as exc:
+            if reuse is not None:
+                for r in reuse:
+                    r.close()
             self._break(f"could not replace hicache_mp-worker-{handle.index}: {exc}")
             handle.stuck = True
             raise BrokenPool(self.broken) from exc

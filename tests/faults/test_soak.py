@@ -1,6 +1,9 @@
-"""Soak: random prefetch, backup and cancel, with random worker kills and
+"""Soak: random prefetch, backup and cancel, with random worker kills, stuck
+workers (SIGSTOP: the watchdog must fail their pages and replace them) and
 random file damage, for a bounded time (60 s; 15 s when CI=true;
-HICACHE_SOAK_S overrides). Prints one summary line.
+HICACHE_SOAK_S overrides). Prints one summary line. With
+HICACHE_SOAK_FILL_SHM=1 it first fills /dev/shm to the last byte (run that way
+by test_soak_with_dev_shm_full, in a private small /dev/shm).
 
 Bookkeeping, per key: every version ever submitted for it (a read may return
 any of them: a killed or cancelled write may or may not have landed), and the
@@ -9,24 +12,30 @@ damaged the file since. Checked all along and once more at the end:
 - a page reported ok is byte-identical to some version written for its key;
 - a key that must hold a version is never lost (read back as a miss);
 - no op runs longer than a bound (nothing hangs);
-- every killed worker is replaced.
+- every killed or stuck worker is replaced;
+- a slot the engine still fences (a stuck worker's page) is refused, never
+  handed out twice.
 A key is never read and written by two ops at once here (the sharing test
 covers that race), so "must hold" is exact.
 """
 import os
 import random
+import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
 
 from workers import status as st
 
-from faultkit import content, fingerprint, get, make, page_file, put
+from faultkit import HERE, content, fingerprint, get, make, page_file, put
 
 KEYS = [f"soak-{i}" for i in range(160)]
 SLOTS = 96
 OP_BOUND_S = 20.0
+STALL_S = 1.0  # the engine's stall limit here: a stopped worker is caught well within OP_BOUND_S
 GEO = dict(num_layers=4, num_kv_heads=4, head_dim=32, page_size=8)  # 16 KiB pages
 
 
@@ -46,7 +55,9 @@ class Soak:
         self.busy_keys, self.free = set(), set(range(SLOTS))
         self.inflight = []                           # (op, fingerprints written or None)
         self.ops = self.kills = self.damage = self.checked = self.wrong = self.lost = 0
-        self.damage_seen = 0
+        self.damage_seen = self.stops = self.fenced = 0
+        self.stopped: set[int] = set()               # pids we SIGSTOPped
+        self.killed: set[int] = set()                # pids we SIGKILLed
 
     # --- operations -----------------------------------------------------------
     def _pick(self, n):
@@ -64,13 +75,27 @@ class Soak:
             data = content(k, self.pb, version=self.next_version)
             put(self.e, s, data)
             written.append(fingerprint(data))
-            self.versions[k].add(written[-1])
-        self._launch(self.e.backup(keys, slots), keys, slots, written)
+        op = self._submit(self.e.backup, keys, slots)
+        if op is not None:
+            for k, f in zip(keys, written):
+                self.versions[k].add(f)
+            self._launch(op, keys, slots, written)
 
     def prefetch(self):
         keys, slots = self._pick(self.rng.randint(1, 16))
         if keys:
-            self._launch(self.e.prefetch(keys, slots), keys, slots, None)
+            op = self._submit(self.e.prefetch, keys, slots)
+            if op is not None:
+                self._launch(op, keys, slots, None)
+
+    def _submit(self, call, keys, slots):
+        try:
+            return call(keys, slots)
+        except ValueError as exc:
+            # Slots of a stuck worker's failed pages stay fenced until it is reaped.
+            assert "in flight" in str(exc) and self.e.metrics()["fenced_pages"], exc
+            self.fenced += 1
+            return None
 
     def _launch(self, op, keys, slots, written):
         self.busy_keys.update(keys)
@@ -86,11 +111,37 @@ class Soak:
     def kill_worker(self):
         if self.e.metrics()["respawns"] < self.kills:  # the last victim is not replaced yet
             return
-        ready = self.e._pool.usable()
+        ready = [h.pid for h in self.e._pool.usable()
+                 if h.pid not in self.killed and h.pid not in self.stopped and _alive(h.pid)]
         if not ready:
             return
-        os.kill(self.rng.choice(ready).pid, signal.SIGKILL)
+        pid = self.rng.choice(ready)
+        os.kill(pid, signal.SIGKILL)
+        self.killed.add(pid)
         self.kills += 1
+
+    def stop_worker(self):
+        """Freeze a worker (a hung disk or NFS stands behind this): the watchdog
+        must fail what it holds, fence its slots and replace it."""
+        self.stopped = {p for p in self.stopped if _alive(p)}
+        if self.stopped or self.e.metrics()["workers_starting"]:
+            return  # one at a time: the last one is not replaced yet
+        ready = self.e._pool.usable()
+        if ready:
+            pid = self.rng.choice(ready).pid
+            os.kill(pid, signal.SIGSTOP)
+            self.stopped.add(pid)
+            self.stops += 1
+
+    def release_stopped(self):
+        """A frozen worker that never got work is never caught: let it go on."""
+        for pid in self.stopped:
+            if _alive(pid):
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        self.stopped = set()
 
     def damage_file(self):
         idle = [k for k in KEYS if k not in self.busy_keys and os.path.exists(page_file(self.e, k))]
@@ -184,41 +235,109 @@ def test_soak(tmp_path, capsys):
     print(f"soak seed {seed}")
     with make(str(tmp_path), geo=GEO, layout="layer_first", pages=SLOTS, workers=3,
               worker_batch=4, write_checksum=True, quarantine_bad_files=True,
-              io_depth=depth) as e:
-        soak = Soak(e, rng)
-        end = time.monotonic() + _duration()
-        while time.monotonic() < end:
-            soak.reap()
-            r = rng.random()
-            if r < 0.40:
-                soak.backup()
-            elif r < 0.85:
-                soak.prefetch()
-            elif r < 0.92:
-                soak.cancel()
-            elif r < 0.94:
-                soak.kill_worker()
-            else:
-                soak.damage_file()
-            time.sleep(rng.random() * 0.004)
-        soak.drain()
-        respawned = settle_respawns(e, soak.kills)
-        soak.final_check()
+              io_depth=depth, stall_timeout_s=STALL_S) as e:
+        shm_free = fill_dev_shm() if os.environ.get("HICACHE_SOAK_FILL_SHM") else None
+        try:
+            soak = Soak(e, rng)
+            end = time.monotonic() + _duration()
+            while time.monotonic() < end:
+                soak.reap()
+                r = rng.random()
+                if r < 0.40:
+                    soak.backup()
+                elif r < 0.85:
+                    soak.prefetch()
+                elif r < 0.92:
+                    soak.cancel()
+                elif r < 0.94:
+                    soak.kill_worker()
+                elif r < 0.95:
+                    soak.stop_worker()
+                else:
+                    soak.damage_file()
+                time.sleep(rng.random() * 0.004)
+            soak.drain()
+            soak.release_stopped()
+            m = settle(e)
+            stuck = m["stuck_workers"]
+            soak.final_check()
+        finally:
+            if shm_free is not None:
+                os.unlink(FILLER)
+        respawned = m["respawns"]
+        # The watchdog may also catch a worker the loaded box starved past STALL_S: more
+        # stuck workers than we stopped is allowed, and each must be replaced too.
+        caught = min(stuck, soak.stops)
         survived = respawned + (soak.damage if soak.wrong == 0 and soak.lost == 0 else 0)
-        line = (f"soak: ops={soak.ops} faults injected={soak.kills + soak.damage} "
-                f"survived={survived} pages checked={soak.checked} wrong bytes={soak.wrong}")
+        line = (f"soak: ops={soak.ops} faults injected={soak.kills + soak.stops + soak.damage} "
+                f"survived={survived} stuck workers survived={caught} "
+                f"pages checked={soak.checked} wrong bytes={soak.wrong} lost backups={soak.lost}")
         with capsys.disabled():
-            print(f"\n{line} (seed {seed}, io_depth {depth}, {soak.kills} kills, {soak.damage} damaged files, "
-                  f"{soak.damage_seen} read back as corrupt/wrong_key, lost={soak.lost})")
+            print(f"\n{line} (seed {seed}, io_depth {depth}, {soak.kills} kills, {soak.stops} stopped, "
+                  f"{stuck} caught stuck, {soak.fenced} fenced slots refused, {soak.damage} damaged "
+                  f"files, {soak.damage_seen} read back as corrupt/wrong_key"
+                  f"{'' if shm_free is None else f', /dev/shm full ({shm_free} bytes free)'})")
         assert soak.wrong == 0 and soak.lost == 0, line
-        assert respawned == soak.kills, line
+        assert respawned == soak.kills + stuck, line
         assert soak.ops > 50 and soak.checked > 0, line
-        assert np.all(np.asarray(e.metrics()["ring_depth"]) == 0)
+        assert np.all(np.asarray(m["ring_depth"]) == 0)
+        assert m["fenced_pages"] == 0 and m["broken"] is None, m
 
 
-def settle_respawns(e, want, timeout_s=5.0):
+def settle(e, timeout_s=10.0) -> dict:
+    """Poll until no replacement is starting and no slot is fenced."""
     deadline = time.monotonic() + timeout_s
-    while e.metrics()["respawns"] < want and time.monotonic() < deadline:
+    while True:
         e.poll()
+        m = e.metrics()
+        if (not m["workers_starting"] and not m["fenced_pages"]) or time.monotonic() > deadline:
+            return m
         time.sleep(0.01)
-    return e.metrics()["respawns"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+FILLER = "/dev/shm/soak-filler"
+
+
+def fill_dev_shm() -> int:
+    """Fill /dev/shm to ENOSPC with one file; the bytes left free."""
+    fd = os.open(FILLER, os.O_WRONLY | os.O_CREAT, 0o600)
+    size, chunk = 0, 1 << 20
+    try:
+        while chunk >= 4096:
+            try:
+                os.posix_fallocate(fd, size, chunk)
+                size += chunk
+            except OSError:
+                chunk //= 2
+    finally:
+        os.close(fd)
+    vfs = os.statvfs("/dev/shm")
+    return vfs.f_bavail * vfs.f_frsize
+
+
+def test_soak_with_dev_shm_full(tmp_path):
+    """The soak once more, with /dev/shm filled to the last byte after the engine
+    started, in a private small /dev/shm (a mount namespace: root only)."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        import pytest
+        pytest.skip("needs root and unshare(1) for a private /dev/shm")
+    env = dict(os.environ, HICACHE_SOAK_FILL_SHM="1",
+               HICACHE_SOAK_S=os.environ.get("HICACHE_SOAK_FULL_SHM_S", "10"))
+    cmd = ("mount -t tmpfs -o size=32m tmpfs /dev/shm && exec \"$0\" -m pytest -q -s "
+           "-p no:cacheprovider \"$1\" --basetemp \"$2\"")
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", cmd, sys.executable,
+                           os.path.join(HERE, "test_soak.py") + "::test_soak", str(tmp_path / "t")],
+                          capture_output=True, text=True, env=env, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(HERE)))
+    summary = [l for l in proc.stdout.splitlines() if l.startswith("soak:")]
+    print("\n".join(summary))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert summary and "/dev/shm full" in summary[0] and "wrong bytes=0" in summary[0]
