@@ -352,11 +352,14 @@ class PrefetchEngine(EngineCore):
             log.warning("hicache_mp-worker-%d's replacement did not start (%s); %d page(s) "
                         "failed; trying again", handle.index, handle.start_error, n)
             self._respawn(handle)
-        self._watchdog()
+        # Fences lift before the watchdog looks: a worker killed in this pass is
+        # never reaped in it, so its slots stay fenced at least until the next.
         for handle in self._pool.reaped():
-            for h, slots in [f for f in self._fences if f[0] is handle]:
-                self._reserved[slots] = False
+            for fenced, slots in self._fences:
+                if fenced is handle:
+                    self._reserved[slots] = False
             self._fences = [f for f in self._fences if f[0] is not handle]
+        self._watchdog()
 
     def _fail_pages(self, index: int, fence: bool = False) -> np.ndarray:
         """End every page still pending at worker `index` WORKER_DIED; their host
