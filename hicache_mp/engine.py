@@ -359,6 +359,9 @@ class PrefetchEngine(EngineCore):
                 if fenced is handle:
                     self._reserved[slots] = False
             self._fences = [f for f in self._fences if f[0] is not handle]
+            if handle.respawn_after_reap:
+                handle.respawn_after_reap = False
+                self._respawn(handle)
         self._watchdog()
 
     def _fail_pages(self, index: int, fence: bool = False) -> np.ndarray:

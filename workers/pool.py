@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass
 
 from shm import Ring, WakeSemaphore
+from shm.segment import ShmFullError
 from workers.child import Child, ChildStartError, wait_ready
 from workers.control import MAX_WORKERS, READS_DONE, READS_SUBMITTED, READY_PID, STOP, Control
 from workers.spec import WorkerSpec
@@ -104,6 +105,7 @@ class WorkerHandle:
     stuck: bool = False   # given up on (watchdog, or a failed start): never usable again
     rings_closed: bool = False
     start_error: str | None = None   # why it never became ready
+    respawn_after_reap: bool = False  # /dev/shm was full: replace it once it is reaped
     # The engine's watchdog: what it last saw the worker take from its rings, and when.
     seen_taken: tuple = (-1, -1)
     seen_at: float = 0.0
@@ -263,12 +265,14 @@ class WorkerPool:
         return [h for h in self.workers
                 if not h.stuck and h not in self.starting and not h.alive()]
 
-    def respawn(self, handle: WorkerHandle) -> WorkerHandle:
+    def respawn(self, handle: WorkerHandle) -> WorkerHandle | None:
         """Start a replacement for `handle` (dead, or stuck and killed) and return at once.
 
         The caller has drained the old completion ring and failed its pages. The
         replacement takes work once `poll_starting` has seen it ready. Raises
         BrokenPool (and the pool is broken) if it cannot even be launched.
+        None: a stuck worker's replacement waits until `reaped()` returns it
+        (`respawn_after_reap`; /dev/shm had no room for new rings).
         """
         self.check()
         if handle.start_error is not None:
@@ -279,11 +283,28 @@ class WorkerPool:
                 handle.close_rings()
                 raise BrokenPool(self.broken)
         reuse = None
+        if handle.alive() and handle.stuck and not handle.rings_closed:
+            # Killed but not reaped: it may still map its rings, so new ones.
+            # With /dev/shm full, the replacement waits for the reaping instead
+            # and then reuses these (respawn_after_reap).
+            handle.child.kill()
+            if handle not in self.dying:
+                self.dying.append(handle)
+            try:
+                new = self._spawn(handle.index, handle.generation + 1)
+            except ShmFullError:
+                handle.respawn_after_reap = True
+                return None
+            except Exception as exc:
+                self._break(f"could not replace hicache_mp-worker-{handle.index}: {exc}")
+                raise BrokenPool(self.broken) from exc
+            handle.close_rings()
+            return self._install(new)
         if handle.alive() or handle.rings_closed:
-            handle.close_rings()  # a killed worker may still map them until it is reaped
+            handle.close_rings()
         else:
             reuse, handle.rings_closed = handle.rings, True  # the replacement owns them now
-        if handle.stuck:
+        if handle.stuck and handle.alive() and handle not in self.dying:
             handle.child.kill()  # it may sit in the kernel a while before it dies
             self.dying.append(handle)
         try:
@@ -295,7 +316,10 @@ class WorkerPool:
             self._break(f"could not replace hicache_mp-worker-{handle.index}: {exc}")
             handle.stuck = True
             raise BrokenPool(self.broken) from exc
-        self.workers[handle.index] = new
+        return self._install(new)
+
+    def _install(self, new: WorkerHandle) -> WorkerHandle:
+        self.workers[new.index] = new
         self.starting.append(new)
         self.respawns += 1
         return new
