@@ -91,7 +91,7 @@ class Child:
 
     def kill(self) -> None:
         """SIGKILL, no wait (a child stuck in the kernel dies when its syscall returns)."""
-        if self.proc.poll() is None:
+        if self.proc.returncode is None:
             try:
                 self.proc.kill()
             except OSError:

@@ -304,8 +304,10 @@ class WorkerPool:
             handle.close_rings()
         else:
             reuse, handle.rings_closed = handle.rings, True  # the replacement owns them now
-        if handle.stuck and handle.alive() and handle not in self.dying:
-            handle.child.kill()  # it may sit in the kernel a while before it dies
+        if handle.stuck and handle not in self.dying:
+            # reaped() reports it once gone (maybe at once: alive() above reaps),
+            # which is when the engine lifts its fence.
+            handle.child.kill()
             self.dying.append(handle)
         try:
             new = self._spawn(handle.index, handle.generation + 1, reuse)
