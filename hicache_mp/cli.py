@@ -1,5 +1,6 @@
 """The `hicache-mp` command line. Subcommands `bench` (the long-context workload, per
-backend) and `import-sglang` (convert an SGLang `file` store; hicache_mp.importer).
+backend) and `import-sglang` (convert an SGLang `file` store;
+hicache_mp.integrations.sglang_import).
 
 Owns argv parsing, progress and result printing, and writing `--json` /
 `--plot` files. Must not hold benchmark logic: `hicache_mp.sim.bench` runs it.
@@ -162,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# --- import-sglang (logic: hicache_mp.importer) --------------------------------
+# --- import-sglang (logic: hicache_mp.integrations.sglang_import) ---------------
 def _import_sglang_parser(sub) -> argparse.ArgumentParser:
     from hicache_mp.integrations.sglang_layouts import RAW_LAYOUTS
     p = sub.add_parser(
@@ -202,7 +203,7 @@ def _import_sglang_parser(sub) -> argparse.ArgumentParser:
 
 def cmd_import_sglang(args, argv=None) -> int:
     from shm import PageGeometry
-    from hicache_mp.importer import import_sglang_store, shards_for
+    from hicache_mp.integrations.sglang_import import import_sglang_store, shards_for
 
     geometry = PageGeometry(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
                             head_dim=args.head_dim, page_size=args.page_size, dtype=args.dtype,

@@ -52,7 +52,7 @@ import numpy as np
 
 from shm import PageGeometry, WakeSemaphore, clean_stale, new_owner_tag
 from shm.hostpool import HostPool
-from shm.ring import KIND_PROBE, KIND_READ, KIND_WRITE, RECORD_DTYPE, ring_bytes
+from shm.ring import RECORD_DTYPE, ring_bytes
 from shm.segment import check_room
 from workers import directio, naming, pagefile
 from workers import status as st
@@ -60,6 +60,7 @@ from workers.control import BUSY_NS, BYTES, CONTROL_BYTES, MAX_BYTES, MIN_FREE, 
     READS_SUBMITTED, STOP, WAITERS, Control
 from workers.evictor import EVICT_RING_CAPACITY, EvictorProcess, headroom_bytes
 from workers.pool import BrokenPool, WorkerPool, worker_cpus
+from workers.records import KIND_PROBE, KIND_READ, KIND_WRITE
 from workers.spec import WorkerSpec
 
 from .config import EngineConfig

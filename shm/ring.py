@@ -30,17 +30,12 @@ RECORD_DTYPE = np.dtype([
     ("host_page", "<i8"),
     ("io_ns", "<u8"),       # on completion: time the worker spent on this page
     ("page_pos", "<u4"),    # position of the page within its op
-    ("kind", "u1"),         # KIND_READ / KIND_WRITE
+    ("kind", "u1"),         # what the record is for: workers.records
     ("status", "u1"),       # on completion: a workers.status code
     ("flags", "<u2"),
     ("digest", "u1", (32,)),  # sha256 of (namespace, key): the page's identity
 ])
 assert RECORD_DTYPE.itemsize == 64
-
-KIND_READ = 1
-KIND_WRITE = 2
-KIND_EVICT = 3   # evictor -> engine: this page file was removed (digest; io_ns = its bytes)
-KIND_PROBE = 4   # engine -> worker -> engine: is this page on disk? (status ok/miss; no bytes move)
 
 _HEAD, _TAIL, _CAP, _RECSZ = 0, 8, 16, 17  # indexes into the uint64 counter view
 _HEADER_BYTES = 192

@@ -50,10 +50,11 @@ import time
 import numpy as np
 
 from shm import Ring, WakeSemaphore
-from shm.ring import KIND_EVICT, RECORD_DTYPE
+from shm.ring import RECORD_DTYPE
 from workers import naming
 from workers.child import PARENT_CHECK_S, Child, ParentWatch, child_main, orphan_cleanup, \
     wait_ready
+from workers.records import KIND_EVICT
 from workers.storedir import fanout_dirs
 from workers.control import EVICTOR_PID, INFLIGHT, MAX_BYTES, MIN_FREE, STOP, STORE_BASE, WRITTEN, \
     WRITTEN_AT_SCAN, Control, pin_slot

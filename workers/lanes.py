@@ -33,9 +33,10 @@ import traceback
 
 import numpy as np
 
-from shm.ring import KIND_WRITE, RECORD_DTYPE
+from shm.ring import RECORD_DTYPE
 from workers import directio, pagefile
 from workers.child import PARENT_CHECK_S
+from workers.records import KIND_WRITE
 
 # How often a worker with a deferred write looks again (workers.worker uses it
 # too): no one posts its wake semaphore when another worker's reads finish.

@@ -63,11 +63,11 @@ import numpy as np
 
 from shm import PageGeometry, Ring, WakeSemaphore
 from shm.hostpool import HostPool
-from shm.ring import KIND_PROBE, KIND_READ
 from workers import directio, naming, pagefile, status
 from workers.fileio import preadv_full, pwritev_full
 from workers.child import PARENT_CHECK_S, ParentWatch, child_main, orphan_cleanup
 from workers.lanes import DEFER_POLL_S, Lane, run_lanes
+from workers.records import KIND_PROBE, KIND_READ
 from workers.spec import WorkerSpec
 from workers.storedir import DIR_MODE, ensure_parent
 from workers.control import BUSY_NS, BYTES, INFLIGHT, MAX_BYTES, MIN_FREE, PAGES, READS_DONE, \

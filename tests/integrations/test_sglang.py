@@ -285,7 +285,7 @@ def test_stats_clear_close(attach, store):
 
 def test_hicache_mp_never_imports_sglang():
     """The module imports SGLang only when imported itself: hicache_mp does not."""
-    code = ("import sys, hicache_mp, hicache_mp.importer, hicache_mp.cli; "
+    code = ("import sys, hicache_mp, hicache_mp.integrations.sglang_import, hicache_mp.cli; "
             "print('sglang' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

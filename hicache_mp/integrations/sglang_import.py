@@ -5,10 +5,11 @@ header, bytes in the writing server's host layout), check each against the
 geometry, put it into an engine's host pool in logical order, and let the
 engine's workers write it (header, canonical payload, temp file + rename).
 Must not delete or change anything under the source directory, and must not
-write page files itself (the workers do).
+write page files itself (the workers do). Imports no SGLang: it reads SGLang's
+files, not its classes.
 
 Which files belong to which namespace follows SGLang's `HiCacheFile` suffix
-(`integrations.sglang_names`), so the pages land exactly where
+(`sglang_names`), so the pages land exactly where
 `HiCacheMP` (the SGLang backend) looks for them: same model name, TP ranks
 (one namespace for MLA), PP suffix.
 """
@@ -24,9 +25,9 @@ from shm import PageGeometry
 from workers import naming
 from workers import status as st
 
-from .config import EngineConfig
-from .integrations.sglang_layouts import RAW_LAYOUTS, flat_page_view
-from .integrations.sglang_names import SGLangShard
+from ..config import EngineConfig
+from .sglang_layouts import RAW_LAYOUTS, flat_page_view
+from .sglang_names import SGLangShard
 
 BATCH_PAGES = 64
 EXAMPLES = 3
@@ -76,7 +77,7 @@ def import_sglang_store(src: str, dst: str, geometry: PageGeometry, src_layout: 
     """Convert every page of `shards` found in `src` into the store at `dst`."""
     import torch
 
-    from .engine import PrefetchEngine
+    from ..engine import PrefetchEngine
 
     if src_layout not in RAW_LAYOUTS:
         raise ValueError(f"layout must be one of {RAW_LAYOUTS}, got {src_layout!r}")
