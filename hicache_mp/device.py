@@ -90,7 +90,7 @@ class DeviceLoader:
         self._loads: list[LoadHandle] = []
         self._stores: list[StoreHandle] = []
         # Everything is moved as 8-byte words when the run allows it: wider loads for
-        # the gather/scatter kernels, and dtype no longer matters.
+        # the gather/scatter kernels, and the dtype does not matter to them.
         self._word = torch.int64 if g.run_bytes % 8 == 0 else torch.uint8
         self._W = g.run_bytes // (8 if self._word == torch.int64 else 1)
         self._setup_buffers(num_device_pages, k_buffers, v_buffers)

@@ -91,8 +91,8 @@ def tmp_path(path: str, pid: int, serial: int) -> str:
 
 
 def tmp_host(filename: str) -> str | None:
-    """The writer host of a temp file name; None for the older ``.tmp.<pid>.<serial>``
-    form (written by this version's predecessors, which ran on one host)."""
+    """The writer host of a temp file name; None for the host-less
+    ``.tmp.<pid>.<serial>`` form (docs/decisions.md 10)."""
     i = filename.find(TMP_MARK)
     parts = filename[i + len(TMP_MARK):].split(".") if i >= 0 else []
     return parts[1] if len(parts) == 3 else None

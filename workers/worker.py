@@ -18,8 +18,7 @@ backup is not. Writes are taken one at a time, and the read ring is looked at
 waits for at most one page write. Reads come first across the engine too: a
 worker with no read of its own defers a write while any worker still has
 reads outstanding (workers.control), because on one device every byte
-written is bandwidth a read does not get (H200 box, O_DIRECT: reads kept
-0.77 of their read-only GB/s beside a backup stream before this rule).
+written is bandwidth a read does not get (figures: docs/decisions.md 20).
 Writes are never starved: after `reads_per_write` reads in a row with writes
 waiting, one write goes, and a write deferred for WRITE_DEFER_MAX_S goes
 whatever the reads elsewhere.

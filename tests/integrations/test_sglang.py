@@ -355,7 +355,7 @@ def test_an_unknown_extra_config_key_is_logged(attach, caplog):
 
 
 def test_a_hybrid_models_sidecar_pool_is_served_beside_kv(attach):
-    """Sidecar pools are no longer refused (tests/integrations/test_sglang_v2.py has the rest)."""
+    """Sidecar pools are served beside the KV pool (tests/integrations/test_sglang_v2.py has the rest)."""
     backend, pool = attach()
     backend.register_mem_host_pool_v2(pool, "kv")  # the primary pool itself is fine
     sidecar = CpuMHAHostPool(layout="layer_first", allocator_type="shm", pages=4)

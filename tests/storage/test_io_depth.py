@@ -3,7 +3,7 @@
 What a user notices: the bytes are the same as with one I/O at a time (both
 layouts, reads and writes mixed, O_DIRECT where the filesystem allows it); a
 page whose file stalls (a FIFO stands in for a hung network-filesystem read)
-no longer holds up the worker's other pages; reads still go first; a bad
+does not hold up the worker's other pages; reads still go first; a bad
 setting is refused before any worker starts; nothing is left behind.
 """
 import os
