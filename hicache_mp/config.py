@@ -93,8 +93,14 @@ STALL_HELP = ("seconds a single page I/O may run before its worker is judged stu
 class EngineConfig:
     storage_dir: str = setting(help="page store directory", sglang=True)
     num_workers: int = setting(
-        0, "I/O worker processes; 0 = auto (physical cores minus one for the scheduler)",
+        0, "I/O worker processes; 0 = auto: a share of the node-wide budget of physical cores "
+        "less one per engine's scheduler (see node_engines)",
         flag="--hicache-mp-workers", sglang=True, lo=0, hi=MAX_WORKERS, metavar="N")
+    node_engines: int = setting(
+        0, "engines expected on this node that share the auto worker budget (physical cores "
+        "less one per engine's scheduler); 0 = those registered when this one starts. Only "
+        "used when num_workers is 0", sglang=True, lo=0,
+        hi=MAX_WORKERS, metavar="N")
     host_pool_pages: int = setting(1024, "host pool slots", lo=1)
     prefetch_policy: str = setting(
         "wait_complete", "when a request may stop waiting for its prefetch (SGLang's meaning): "

@@ -66,6 +66,7 @@ from workers.spec import WorkerSpec
 from .config import EngineConfig
 from .core import EngineCore, check_timeout, log
 from .discovery import PROBE_MAX
+from .nodeshare import NodeShare
 from .ops import READ, Op
 
 HEALTH_CHECK_S = 0.1
@@ -109,20 +110,32 @@ class PrefetchEngine(EngineCore):
             # unaligned geometry (small test pages) is expected, so only info.
             fs_refused = self.direct_io_reason.startswith("buffered I/O: O_DIRECT on")
             (log.warning if fs_refused else log.info)("hicache_mp: %s", self.direct_io_reason)
-        workers = config.resolved_workers()
+        share = None
+        if config.num_workers:
+            workers = config.num_workers
+        else:  # auto: this engine's share of the node's cores (decision 42)
+            share = NodeShare(config.node_engines)
+            workers = share.workers
         ring_capacity = config.resolved_ring_capacity(workers)
         # Everything this engine puts in /dev/shm, counted before any of it is made:
         # each segment is allocated in full at creation (shm.segment), so what fits
         # now can never be taken away by another process filling /dev/shm later.
-        check_room(shm_bytes(geometry.pool_bytes(config.host_pool_pages) if pool_fd is None
-                             else 0, workers, ring_capacity, config.capacity_limited),
-                   f"this engine's shared memory (host pool, control block, rings of "
-                   f"{workers} workers)")
+        try:
+            check_room(shm_bytes(geometry.pool_bytes(config.host_pool_pages) if pool_fd is None
+                                 else 0, workers, ring_capacity, config.capacity_limited),
+                       f"this engine's shared memory (host pool, control block, rings of "
+                       f"{workers} workers)")
+        except BaseException:
+            if share is not None:
+                share.close()
+            raise
+        if share is not None:  # released last, with the segments
+            self._segments.append(share)
         try:
             own_fd = None
             if pool_fd is not None:
                 own_fd = _OwnedFd(os.dup(pool_fd))
-                self._segments.append(own_fd)  # closed last: segments close in reverse
+                self._segments.append(own_fd)  # closed after what maps it: segments close in reverse
                 need = geometry.pool_bytes(config.host_pool_pages)
                 have = os.fstat(own_fd.fd).st_size
                 if have < need:

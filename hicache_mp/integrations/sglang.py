@@ -309,7 +309,18 @@ class HiCacheMP(HiCacheStorage):
     def _config(self, pages: int) -> EngineConfig:
         options = sglang_options(self.extra)
         options["storage_dir"] = self.storage_dir
+        options.setdefault("node_engines", self._node_ranks())
         return config.EngineConfig(host_pool_pages=pages, **options, **self.shard.engine_names())
+
+    def _node_ranks(self) -> int:
+        """This server's ranks on this node, one engine each: they share the node's
+        auto worker budget (decision 42). TP x PP ranks, at most one per local GPU."""
+        ranks = self.shard.tp_size * self.shard.pp_size
+        try:
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        except Exception:
+            gpus = 0
+        return min(ranks, gpus) if gpus else ranks
 
     def _need_engine(self) -> PrefetchEngine:
         if self.engine is None:

@@ -56,3 +56,25 @@ def test_failure_injector_rounds_end_with_exact_prefixes(tmp_path):
     assert out["checked_pages"] == sum(out["read_tokens"]) // args.page_size
     full = args.round_pages * args.page_size
     assert all(0 <= t <= full for t in out["read_tokens"] + out["write_tokens"])
+
+
+def test_tp_ranks_share_the_node_budget(tmp_path, monkeypatch):
+    """A TP-4 server's rank takes its quarter of the node's auto worker budget
+    from the moment it starts, before the other ranks have registered."""
+    from hicache_mp.nodeshare import NODE_CORES_ENV, NODE_DIR_ENV, live_shares
+    node = str(tmp_path / "node")
+    monkeypatch.setenv(NODE_DIR_ENV, node)
+    monkeypatch.setenv(NODE_CORES_ENV, "16")
+    hp = sglang_real.mha_host_pool(SGL, layers=2, heads=4, head_dim=64, page_size=4, pages=8)
+    ctl = sglang_real.controller(SGL, hp, backend="dynamic", tp_rank=1, tp_size=4,
+                                 extra=sglang_real.mp_extra(str(tmp_path / "store")))
+    try:
+        assert len(ctl.storage_backend.engine.pool) == 3  # (16 - 4 schedulers) // 4
+        assert list(live_shares(node, prune=False).values()) == [3]
+    finally:
+        ctl._stop_storage_threads()
+        ctl.storage_backend.close()
+        for fd in hp.allocator.fds:
+            os.close(fd)
+        hp.allocator.fds = []
+    assert not os.path.exists(node)

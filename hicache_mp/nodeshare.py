@@ -1,0 +1,168 @@
+"""The node-wide worker budget that engines with `num_workers=0` (auto) share.
+
+Owns the node registry: /dev/shm/hicache_mp-node/, one small file per live
+engine holding its worker count, each kept flock'ed by its engine for the
+engine's life. A file whose lock can be taken belongs to a dead engine (the
+kernel drops flocks with the process) and is removed by the next engine that
+looks; the directory goes when its last engine leaves. Registration runs
+under a flock on the directory itself, so two engines starting together see
+each other. Must not start processes or touch anything but that directory.
+
+The budget: physical cores, less one core per engine for its scheduler,
+split evenly over the engines expected on the node: the larger of
+`node_engines` (SGLang's adapter passes its node-local rank count, so every
+TP rank computes the same share whatever order they start in) and the
+engines registered plus this one. An engine never takes more than what the
+live ones left free, and always at least one worker. Engines already running
+keep their count: a later engine that was not announced by `node_engines`
+gets what is left (decision 42).
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import secrets
+
+NODE_DIR = "/dev/shm/hicache_mp-node"
+# Overrides, read when an engine registers: the registry's directory (one per
+# node by default), and the core count (a container whose CPU quota is below
+# the host's core count should say what it has).
+NODE_DIR_ENV = "HICACHE_MP_NODE_DIR"
+NODE_CORES_ENV = "HICACHE_MP_NODE_CORES"
+
+
+def node_dir() -> str:
+    return os.environ.get(NODE_DIR_ENV) or NODE_DIR
+
+
+def physical_cores() -> int:
+    given = os.environ.get(NODE_CORES_ENV)
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise ValueError(f"{NODE_CORES_ENV}={given!r}: a core count (>= 1) is needed")
+        return int(given)
+    import psutil
+    return psutil.cpu_count(logical=False) or psutil.cpu_count() or 2
+
+
+def _held(path: str) -> bool:
+    """True while the engine that owns `path` lives (it holds the file's flock)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return True
+        raise
+    finally:
+        os.close(fd)
+    return False
+
+
+def _read_workers(path: str) -> int:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def live_shares(node_dir: str, *, prune: bool = True) -> dict[str, int]:
+    """{entry: workers} of the live engines; dead engines' entries are removed."""
+    out = {}
+    try:
+        names = os.listdir(node_dir)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        path = os.path.join(node_dir, name)
+        if _held(path):
+            out[name] = _read_workers(path)
+        elif prune:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+    return out
+
+
+def budget_share(cores: int, engines: int, taken: int) -> int:
+    """Workers for one more engine: an even share of (cores - one per
+    scheduler), no more than what the others left free, at least one."""
+    budget = cores - engines
+    share = budget // engines
+    return max(1, min(share, budget - taken))
+
+
+class NodeShare:
+    """One engine's registration; `workers` is its share. close() frees it."""
+
+    def __init__(self, node_engines: int = 0, *, directory: str | None = None,
+                 cores: int | None = None):
+        self.node_dir = where = directory or node_dir()
+        self.path = None
+        self._fd = -1
+        cores = cores or physical_cores()
+        for _ in range(20):  # the directory may vanish between makedirs and open
+            os.makedirs(where, exist_ok=True)
+            try:
+                dfd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(dfd, fcntl.LOCK_EX)
+                if not _same_dir(dfd, where):  # removed (and maybe re-made) meanwhile
+                    continue
+                live = live_shares(where)
+                engines = max(len(live) + 1, int(node_engines or 0))
+                self.workers = budget_share(cores, engines, sum(live.values()))
+                self._register()
+                self.engines, self.cores = engines, cores
+                return
+            finally:
+                os.close(dfd)
+        raise RuntimeError(f"hicache_mp: cannot register in {where}")
+
+    def _register(self) -> None:
+        path = os.path.join(self.node_dir, f"{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, f"{self.workers}\n".encode())
+        self.path, self._fd = path, fd
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        fd, self._fd = self._fd, -1
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+        # Under the directory's lock, so no engine is between its look and its
+        # registration; rmdir fails while any other engine is registered.
+        try:
+            dfd = os.open(self.node_dir, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            return
+        try:
+            fcntl.flock(dfd, fcntl.LOCK_EX)
+            if _same_dir(dfd, self.node_dir):
+                os.rmdir(self.node_dir)
+        except OSError:
+            pass
+        finally:
+            os.close(dfd)
+
+
+def _same_dir(dfd: int, path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    here = os.fstat(dfd)
+    return (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino)

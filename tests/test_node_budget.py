@@ -1,0 +1,123 @@
+"""The node-wide worker budget: engines with auto workers, each in its own
+process, share physical cores less one per scheduler; a dead engine's share
+is freed; nothing is left in the registry directory."""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from hicache_mp import EngineConfig, PrefetchEngine
+from hicache_mp.nodeshare import NODE_CORES_ENV, NODE_DIR_ENV, NodeShare, budget_share, \
+    live_shares
+from shm import PageGeometry
+
+GEO = PageGeometry(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4)
+
+
+@pytest.fixture
+def node(tmp_path, monkeypatch):
+    d = str(tmp_path / "node")
+    monkeypatch.setenv(NODE_DIR_ENV, d)
+    return d
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A child registers (a bare share, or a whole engine), prints its worker count,
+# and holds it until its stdin closes.
+SHARE = """
+import sys; sys.path.insert(0, sys.argv[1])
+from hicache_mp.nodeshare import NodeShare
+share = NodeShare(int(sys.argv[2]), cores=int(sys.argv[3]))
+print(share.workers, flush=True); sys.stdin.read(); share.close()
+"""
+ENGINE = """
+import sys; sys.path.insert(0, sys.argv[1])
+from hicache_mp import EngineConfig, PrefetchEngine
+from shm import PageGeometry
+eng = PrefetchEngine(EngineConfig(storage_dir=sys.argv[3], num_workers=0,
+                                  node_engines=int(sys.argv[2]), host_pool_pages=8),
+                     PageGeometry(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4))
+print(len(eng.pool), flush=True); sys.stdin.read(); eng.close()
+"""
+
+
+def child(code, *args):
+    p = subprocess.Popen([sys.executable, "-c", code, ROOT, *map(str, args)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    assert line.strip().isdigit(), f"child failed: {line!r}"
+    return p, int(line)
+
+
+def release(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.stdin.close()
+    for p in procs:
+        p.wait(30)
+
+
+def test_budget_share():
+    assert budget_share(32, 1, 0) == 31
+    assert budget_share(32, 2, 0) == 15 and budget_share(32, 2, 15) == 15
+    assert budget_share(32, 4, 14) == 7
+    # a late, unannounced engine gets what is left, and always one
+    assert budget_share(32, 2, 31) == 1
+    assert budget_share(2, 2, 0) == 1
+
+
+def test_shares_across_processes_and_a_dead_engine_frees_its_share(node):
+    procs = []
+    try:
+        for _ in range(3):  # one after another: each sees the others registered
+            p, workers = child(SHARE, 3, 16)
+            procs.append(p)
+            assert workers == 4  # (16 cores - 3 schedulers) // 3
+        shares = live_shares(node, prune=False)
+        assert len(shares) == 3 and sum(shares.values()) + 3 <= 16
+
+        os.kill(procs[1].pid, signal.SIGKILL)  # its share must come back
+        procs[1].wait(10)
+        late = NodeShare(0, directory=node, cores=16)  # not announced by node_engines
+        try:
+            assert late.engines == 3 and late.workers == 4
+            assert len(os.listdir(node)) == 3  # the dead engine's entry was removed
+        finally:
+            late.close()
+    finally:
+        release(procs)
+    assert not os.path.exists(node), "the registry directory goes with its last engine"
+
+
+def test_engines_in_separate_processes_share_the_node(node, store, monkeypatch):
+    """Two engines with auto workers on a node of 8 cores: 3 workers each
+    (8 - 2 schedulers, halved), not 7 each."""
+    monkeypatch.setenv(NODE_CORES_ENV, "8")
+    procs = []
+    try:
+        for _ in range(2):
+            p, workers = child(ENGINE, 2, store)
+            procs.append(p)
+            assert workers == 3
+        assert sorted(live_shares(node, prune=False).values()) == [3, 3]
+    finally:
+        release(procs)
+    assert all(p.returncode == 0 for p in procs)
+    assert not os.path.exists(node)
+
+
+def test_explicit_workers_do_not_register(node, store):
+    eng = PrefetchEngine(EngineConfig(storage_dir=store, num_workers=1, host_pool_pages=8), GEO)
+    try:
+        assert not os.path.exists(node)
+    finally:
+        eng.close()
+
+
+def test_bad_core_override_is_refused_before_any_worker(node, store, monkeypatch):
+    monkeypatch.setenv(NODE_CORES_ENV, "many")
+    with pytest.raises(ValueError, match=NODE_CORES_ENV):
+        PrefetchEngine(EngineConfig(storage_dir=store, num_workers=0, host_pool_pages=8), GEO)
+    assert not os.path.exists(node)
