@@ -39,7 +39,7 @@ from shm import PageGeometry
 eng = PrefetchEngine(EngineConfig(storage_dir=sys.argv[3], num_workers=0,
                                   node_engines=int(sys.argv[2]), host_pool_pages=8),
                      PageGeometry(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4))
-print(len(eng.pool), flush=True); sys.stdin.read(); eng.close()
+print(eng.metrics()["workers"], flush=True); sys.stdin.read(); eng.close()
 """
 
 

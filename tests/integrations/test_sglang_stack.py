@@ -69,7 +69,7 @@ def test_tp_ranks_share_the_node_budget(tmp_path, monkeypatch):
     ctl = sglang_real.controller(SGL, hp, backend="dynamic", tp_rank=1, tp_size=4,
                                  extra=sglang_real.mp_extra(str(tmp_path / "store")))
     try:
-        assert len(ctl.storage_backend.engine.pool) == 3  # (16 - 4 schedulers) // 4
+        assert ctl.storage_backend.engine.metrics()["workers"] == 3  # (16 - 4 schedulers) // 4
         assert list(live_shares(node, prune=False).values()) == [3]
     finally:
         ctl._stop_storage_threads()
