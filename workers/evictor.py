@@ -23,8 +23,9 @@ A pass (when a worker posts that a limit is near, and every `interval_s`):
   2. publish STORE_BASE (scanned bytes + INFLIGHT), then WRITTEN_AT_SCAN
      (workers.control explains the order);
   3. if the total is above `max_bytes - headroom` or free space below
-     `min_free + headroom`: unlink the least recently accessed unpinned pages
-     until the total is at most `max_bytes - 2 * headroom` and free space at
+     `min_free + headroom`: take the store's eviction lease (or skip: another
+     engine's evictor holds it; workers.evictlease), scan again, and unlink
+     the least recently accessed unpinned pages until the total is at most `max_bytes - 2 * headroom` and free space at
      least `min_free + 2 * headroom` (hysteresis: one pass frees room for
      several writes, not one), reporting each on the evict ring.
 
@@ -51,7 +52,7 @@ import numpy as np
 
 from shm import Ring, WakeSemaphore
 from shm.ring import RECORD_DTYPE
-from workers import naming
+from workers import evictlease, naming
 from workers.child import PARENT_CHECK_S, Child, ParentWatch, child_main, orphan_cleanup, \
     wait_ready
 from workers.records import KIND_EVICT
@@ -59,6 +60,7 @@ from workers.storedir import fanout_dirs
 from workers.control import EVICTOR_PID, INFLIGHT, MAX_BYTES, MIN_FREE, STOP, STORE_BASE, WRITTEN, \
     WRITTEN_AT_SCAN, Control, pin_slot
 
+LEASE_CHECK_EVERY = 64  # removals between checks that the eviction lease is still ours
 EVICT_RING_CAPACITY = 8192
 
 
@@ -101,6 +103,22 @@ class Evictor:
 
     # --- one pass -----------------------------------------------------------
     def one_pass(self) -> int:
+        pages, total = self._measure()
+        if self._need(total) <= 0:
+            return 0
+        # The store may be shared: one evictor at a time, on a fresh measure
+        # (workers.evictlease). Without the lease another one is at it.
+        lease = evictlease.take(self.root)
+        if lease is None:
+            return 0
+        try:
+            pages, total = self._measure()
+            return self._evict(pages, self._need(total), lease)
+        finally:
+            lease.release()
+
+    def _measure(self) -> tuple[list, int]:
+        """Scan the store (every node's files) and publish its size to the workers."""
         words = self.control.words
         # WRITTEN first, then INFLIGHT: a write reserved between the two loads is
         # then counted twice (safe), never missed. A write in flight now may not
@@ -112,6 +130,11 @@ class Evictor:
         # Anything written while we scanned may be counted twice: an over-estimate.
         words[STORE_BASE] = total
         words[WRITTEN_AT_SCAN] = written_before
+        return pages, total
+
+    def _need(self, total: int) -> int:
+        """Bytes to remove so the store is back inside its limits, with hysteresis."""
+        words = self.control.words
         max_bytes, min_free = int(words[MAX_BYTES]), int(words[MIN_FREE])
         need = 0
         if max_bytes and total > max_bytes - self.headroom:
@@ -119,8 +142,12 @@ class Evictor:
         free = _free_bytes(self.root)
         if min_free and free is not None and free < min_free + self.headroom:
             need = max(need, min_free + 2 * self.headroom - free)
+        return need
+
+    def _evict(self, pages: list, need: int, lease) -> int:
         if need <= 0:
             return 0
+        words = self.control.words
         pages.sort()  # oldest access first
         pins = self.control.pins
         freed = removed = 0
@@ -131,6 +158,8 @@ class Evictor:
                 continue  # in flight in this engine: never evicted
             if not self._room_to_report():
                 break  # the engine is not polling; evict more once it has caught up
+            if removed % LEASE_CHECK_EVERY == LEASE_CHECK_EVERY - 1 and not lease.held():
+                break  # our lease expired and another evictor took over
             try:
                 os.unlink(path)
             except FileNotFoundError:

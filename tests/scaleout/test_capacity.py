@@ -1,0 +1,140 @@
+"""Capacity across nodes: `storage_max_bytes` is the size of the shared store.
+
+Two engines on two mounts of one volume, both with the same limit, write
+new pages as fast as they can. Both evictors see the whole store near its
+limit at the same moments; the eviction lease (workers.evictlease) lets one
+of them at a time make room, measured afresh, so together they keep the
+store near the limit instead of each removing what was needed and leaving
+it far below (a cache emptied for nothing).
+"""
+import os
+import threading
+import time
+
+from faultkit import MID, content, make, put, settle
+from workers import evictlease
+from workers.evictlease import LEASE_NAME
+from workers.evictor import headroom_bytes, scan
+
+FILE = 4096 + 65536  # one MID page file
+LIMIT = 64 * FILE
+
+
+def _writer(eng, tag, rounds, errors):
+    try:
+        pb = eng.geometry.page_bytes
+        for r in range(rounds):
+            keys = [f"{tag}-{r}-{i}" for i in range(16)]
+            for i, k in enumerate(keys):
+                put(eng, i, content(k, pb))
+            op = eng.backup(keys, range(16))
+            if not eng.wait(op, 60):
+                errors.append(f"{tag}: backup hung")
+    except BaseException as exc:  # reported by the test
+        errors.append(repr(exc))
+
+
+def test_two_nodes_evictors_keep_the_shared_store_near_its_limit(nodes):
+    h = headroom_bytes(LIMIT, 0, FILE)
+    samples, errors = [], []
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            samples.append(scan(nodes.a)[1])
+            time.sleep(0.005)
+
+    cfg = dict(geo=MID, pages=16, workers=2, storage_max_bytes=LIMIT, eviction_interval_s=0.05)
+    with make(nodes.a, **cfg) as a, make(nodes.b, **cfg) as b:
+        watcher = threading.Thread(target=sample)
+        watcher.start()
+        writers = [threading.Thread(target=_writer, args=(e, t, 14, errors))
+                   for e, t in ((a, "a"), (b, "b"))]
+        for t in writers:
+            t.start()
+        for t in writers:
+            t.join()
+        # Until both evictors are done: the store inside its limit, every removal
+        # popped from the evict rings, nothing changing for a while.
+        last, deadline = None, time.monotonic() + 10
+        while time.monotonic() < deadline:
+            a.poll(), b.poll()
+            now = (a.metrics()["evicted_pages"], b.metrics()["evicted_pages"], scan(nodes.a)[1])
+            if now == last and now[2] <= LIMIT - h:
+                break
+            last = now
+            time.sleep(0.3)
+        stop.set()
+        watcher.join()
+        evicted = a.metrics()["evicted_pages"], b.metrics()["evicted_pages"]
+        written = sum(e.metrics()["write_pages_ok"] for e in (a, b))
+    assert not errors, errors
+    on_disk = len(scan(nodes.a)[0])
+    final = scan(nodes.a)[1]
+    full = next(i for i, s in enumerate(samples) if s >= LIMIT - 2 * h)
+    low = min(samples[full:])
+    print(f"\ncapacity: limit {LIMIT // FILE} files, headroom {h // FILE}; lowest after full "
+          f"{low / FILE:.1f}, final {final / FILE:.1f} files; evicted {evicted}, written {written}")
+    assert sum(evicted) > 0 and written > LIMIT // FILE
+    # One evictor at a time: each page removed once, by one of them. Two at once
+    # walk the same oldest-first list and both remove (and report) the same pages.
+    assert sum(evicted) == written - on_disk, (evicted, written, on_disk)
+    # ...and together they leave the store near its limit: at least its hysteresis
+    # target (LIMIT - 2h, give or take a write in flight), at most the limit.
+    assert low >= LIMIT - 2 * h - 2 * FILE, f"store fell to {low / FILE:.1f} files"
+    assert final <= LIMIT
+    # The lease is given back (seen through either mount once its entry cache expires).
+    assert settle(lambda: not any(os.path.exists(os.path.join(d, LEASE_NAME))
+                                  for d in (nodes.a, nodes.b)), 3)
+
+
+def _settled(engines, root, h, timeout_s=10.0):
+    """Poll until the store is inside its limit and nothing changes for a while."""
+    last, deadline = None, time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for e in engines:
+            e.poll()
+        now = (*(e.metrics()["evicted_pages"] for e in engines), scan(root)[1])
+        if now == last and now[-1] <= LIMIT - h:
+            return
+        last = now
+        time.sleep(0.3)
+
+
+def _fill(root, keys):
+    with make(root, geo=MID, pages=16) as filler:   # no limit: fills past it
+        pb = filler.geometry.page_bytes
+        for at in range(0, len(keys), 16):
+            for i, k in enumerate(keys[at:at + 16]):
+                put(filler, i, content(k, pb))
+            op = filler.backup(keys[at:at + 16], range(16))
+            assert filler.wait(op, 60) and op.status == "ok"
+
+
+def test_an_evictor_waits_while_another_node_holds_the_lease(nodes):
+    """Node B's evictor holds the store's eviction lease (taken here through
+    mount b, as B's evictor takes it): node A's evictor, though the store is
+    far past the limit, removes nothing until B gives the lease back, then
+    makes room once. A lease whose holder died (not refreshed for LEASE_S)
+    is broken and taken over."""
+    h = headroom_bytes(LIMIT, 0, FILE)
+    cfg = dict(geo=MID, pages=16, workers=1, storage_max_bytes=LIMIT, eviction_interval_s=0.05)
+    with make(nodes.a, **cfg) as a:
+        held = evictlease.take(nodes.b)
+        assert held is not None and evictlease.take(nodes.a) is None  # one holder at a time
+        _fill(nodes.a, [f"old{i}" for i in range(112)])
+        a.evictor.wake.post()
+        time.sleep(1.0)  # twenty of A's passes
+        a.poll()
+        assert a.metrics()["evicted_pages"] == 0 and len(scan(nodes.a)[0]) == 112
+        held.release()
+        _settled((a,), nodes.a, h)
+        assert a.metrics()["evicted_pages"] == 112 - len(scan(nodes.a)[0]) == 56
+        # A holder that died: its lease is not refreshed; after LEASE_S it is broken.
+        dead = evictlease.take(nodes.b)
+        old = time.time() - evictlease.LEASE_S - 1
+        os.utime(os.path.join(nodes.b, evictlease.LEASE_NAME), (old, old))
+        _fill(nodes.a, [f"new{i}" for i in range(32)])
+        a.evictor.wake.post()
+        _settled((a,), nodes.a, h)
+        assert a.metrics()["evicted_pages"] == 56 + 32 and not dead.held()
