@@ -54,10 +54,11 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def engine(store: str, geometry: PageGeometry, workers: int, pool_pages: int) -> PrefetchEngine:
+def engine(store: str, geometry: PageGeometry, workers: int, pool_pages: int,
+           depth: int) -> PrefetchEngine:
     return PrefetchEngine(EngineConfig(storage_dir=store, num_workers=workers,
                                        host_pool_pages=pool_pages, direct_io="off",
-                                       model_name="bench_scaleout"), geometry)
+                                       io_depth=depth, model_name="bench_scaleout"), geometry)
 
 
 def measure(name: str, dir_a: str, dir_b: str, args, geometry: PageGeometry) -> dict:
@@ -73,48 +74,59 @@ def measure(name: str, dir_a: str, dir_b: str, args, geometry: PageGeometry) -> 
         raw_w[t] = bs.raw_threads(paths, nbytes, t, write=True, direct=False)
         sets[t] = [os.path.join(dir_b, sub, f"{i}.page") for i in range(n)]
         log(f"  {name}: raw write, {t} threads: {raw_w[t]:.3f} GB/s")
-    keys = [f"k{i}" for i in range(n)]
-    slots = list(range(args.pool_pages))
-    with engine(os.path.join(dir_a, "store"), geometry, args.workers, args.pool_pages) as e:
-        bs.fill_pool(e)
-        workers = len(e.pool)
-        mp_w, counts = bs.run_ops(e, "backup", keys, slots)
-        assert counts == {"ok": n}, counts
-    log(f"  {name}: mp write-through, {workers} workers: {mp_w:.3f} GB/s")
     raw_r = {}
     method = None
     for t in args.threads:
         method = bs.drop_cache(sets[t])
         raw_r[t] = bs.raw_threads(sets[t], nbytes, t, write=False, direct=False)
         log(f"  {name}: raw cold read, {t} threads: {raw_r[t]:.3f} GB/s ({method})")
-    with engine(os.path.join(dir_b, "store"), geometry, args.workers, args.pool_pages) as e:
-        bs.drop_cache(bs.page_files(os.path.join(dir_b, "store")))
-        mp_r, counts = bs.run_ops(e, "prefetch", keys, slots)
-        assert counts == {"ok": n}, counts
-        mp_warm, _ = bs.run_ops(e, "prefetch", keys, slots)
     best_r = max(raw_r, key=raw_r.get)
     raw_warm = bs.raw_threads(sets[best_r], nbytes, best_r, write=False, direct=False)
-    log(f"  {name}: mp cold read {mp_r:.3f} GB/s, warm: mp {mp_warm:.3f}, "
-        f"raw ({best_r} threads) {raw_warm:.3f} GB/s")
+    log(f"  {name}: raw warm read ({best_r} threads) {raw_warm:.3f} GB/s")
+    slots = list(range(args.pool_pages))
+    mp = {}
+    # The engine at its default depth, and with as many page I/Os in flight per
+    # worker as the raw ceiling's best thread count (--hicache-mp-io-depth).
+    for depth in sorted({1, max(raw_w, key=raw_w.get), best_r}):
+        keys = [f"d{depth}-{i}" for i in range(n)]
+        store = f"store{depth}"
+        with engine(os.path.join(dir_a, store), geometry, args.workers, args.pool_pages,
+                    depth) as e:
+            bs.fill_pool(e)
+            workers = len(e.pool)
+            mp_w, counts = bs.run_ops(e, "backup", keys, slots)
+            assert counts == {"ok": n}, counts
+        with engine(os.path.join(dir_b, store), geometry, args.workers, args.pool_pages,
+                    depth) as e:
+            bs.drop_cache(bs.page_files(os.path.join(dir_b, store)))
+            mp_r, counts = bs.run_ops(e, "prefetch", keys, slots)
+            assert counts == {"ok": n}, counts
+            mp_warm, _ = bs.run_ops(e, "prefetch", keys, slots)
+        mp[depth] = {"write": mp_w, "read_cold": mp_r, "read_warm": mp_warm}
+        log(f"  {name}: mp, {workers} workers x io_depth {depth}: write-through {mp_w:.3f}, "
+            f"cold prefetch {mp_r:.3f}, warm {mp_warm:.3f} GB/s")
     best_w = max(raw_w, key=raw_w.get)
     out.update(workers=workers, cache_drop=method, raw_write=raw_w, raw_read_cold=raw_r,
-               best_write_threads=best_w, best_read_threads=best_r, mp_write=mp_w,
-               mp_read_cold=mp_r, raw_read_warm=raw_warm, mp_read_warm=mp_warm)
+               best_write_threads=best_w, best_read_threads=best_r, raw_read_warm=raw_warm,
+               mp=mp)
     return out
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| target | raw write (threads) | mp write-through | ÷ raw | raw cold read (threads) "
-            "| mp cold prefetch | ÷ raw | raw warm read | mp warm prefetch | ÷ raw |\n"
-            "|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| target | engine | write-through GB/s | ÷ raw | cold prefetch GB/s | ÷ raw "
+            "| warm prefetch GB/s | ÷ raw |\n|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         bw, br = r["raw_write"][r["best_write_threads"]], r["raw_read_cold"][r["best_read_threads"]]
-        lines.append(
-            f"| {r['target']} | {bw:.2f} ({r['best_write_threads']}) | {r['mp_write']:.2f} | "
-            f"{r['mp_write'] / bw:.2f} | {br:.2f} ({r['best_read_threads']}) | "
-            f"{r['mp_read_cold']:.2f} | {r['mp_read_cold'] / br:.2f} | {r['raw_read_warm']:.2f} | "
-            f"{r['mp_read_warm']:.2f} | {r['mp_read_warm'] / r['raw_read_warm']:.2f} |")
+        warm = r["raw_read_warm"]
+        lines.append(f"| {r['target']} | raw threads (best of {len(r['raw_write'])} counts) | "
+                     f"{bw:.2f} ({r['best_write_threads']} thr) | 1 | {br:.2f} "
+                     f"({r['best_read_threads']} thr) | 1 | {warm:.2f} | 1 |")
+        for depth, m in sorted(r["mp"].items()):
+            lines.append(f"| {r['target']} | mp, {r['workers']} worker(s) x io_depth {depth} | "
+                         f"{m['write']:.2f} | {m['write'] / bw:.2f} | {m['read_cold']:.2f} | "
+                         f"{m['read_cold'] / br:.2f} | {m['read_warm']:.2f} | "
+                         f"{m['read_warm'] / warm:.2f} |")
     return "\n".join(lines)
 
 
