@@ -104,7 +104,7 @@ def store_bytes(root: str) -> int:
     """Bytes of page and temp files in the store's fan-out directories."""
     total = 0
     for d, _, files in os.walk(root):
-        if os.path.basename(d) == "quarantine":
+        if os.path.basename(d) == "quarantine" or d == root:  # top level: the eviction lease
             continue
         for f in files:
             try:

@@ -27,6 +27,19 @@ def _evicted(e, n, timeout_s=10.0):
     return settle(lambda: e.poll() is not None and e.metrics()["evicted_pages"] >= n, timeout_s)
 
 
+def _evictor_idle(e, quiet_s=0.5, timeout_s=10.0):
+    """Wait until a pass in progress has ended: no eviction heard of for quiet_s."""
+    last, since, deadline = None, time.monotonic(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        e.poll()
+        now = e.metrics()["evicted_pages"]
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.05)
+
+
 def test_store_stays_under_max_bytes_while_serving_reads(store):
     limit = 24 * FILE_BYTES
     with _limited(store, 24, pages=32, workers=2) as e:
@@ -45,6 +58,7 @@ def test_store_stays_under_max_bytes_while_serving_reads(store):
             peak = max(peak, store_bytes(store))
             assert peak <= limit, f"store at {peak} bytes, limit {limit} (round {rnd})"
         assert _evicted(e, 30)
+        _evictor_idle(e)
         assert store_bytes(store) <= limit
         # The index forgot what was evicted: it claims exactly the pages on disk.
         claimed = {k for k in written if e.exists([k])}
@@ -68,8 +82,7 @@ def test_eviction_follows_last_access_recorded_by_workers(store):
         # A pass evicts down to 8 files by its estimate, which counts writes in
         # flight (and may count one twice): 5 to 9 pages, the least recently used.
         assert _evicted(e, 4)
-        time.sleep(0.5)
-        e.poll()
+        _evictor_idle(e)
         for k in hot + new:
             assert os.path.exists(page_file(e, k)), f"recently used {k} was evicted"
         gone = [k for k in cold if not os.path.exists(page_file(e, k))]
