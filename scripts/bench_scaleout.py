@@ -93,7 +93,7 @@ def measure(name: str, dir_a: str, dir_b: str, args, geometry: PageGeometry) -> 
         with engine(os.path.join(dir_a, store), geometry, args.workers, args.pool_pages,
                     depth) as e:
             bs.fill_pool(e)
-            workers = len(e.pool)
+            workers = e.worker_count()
             mp_w, counts = bs.run_ops(e, "backup", keys, slots)
             assert counts == {"ok": n}, counts
         with engine(os.path.join(dir_b, store), geometry, args.workers, args.pool_pages,

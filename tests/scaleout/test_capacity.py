@@ -123,7 +123,7 @@ def test_an_evictor_waits_while_another_node_holds_the_lease(nodes):
         held = evictlease.take(nodes.b)
         assert held is not None and evictlease.take(nodes.a) is None  # one holder at a time
         _fill(nodes.a, [f"old{i}" for i in range(112)])
-        a.evictor.wake.post()
+        a._evictor.wake.post()
         time.sleep(1.0)  # twenty of A's passes
         a.poll()
         assert a.metrics()["evicted_pages"] == 0 and len(scan(nodes.a)[0]) == 112
@@ -135,6 +135,6 @@ def test_an_evictor_waits_while_another_node_holds_the_lease(nodes):
         old = time.time() - evictlease.LEASE_S - 1
         os.utime(os.path.join(nodes.b, evictlease.LEASE_NAME), (old, old))
         _fill(nodes.a, [f"new{i}" for i in range(32)])
-        a.evictor.wake.post()
+        a._evictor.wake.post()
         _settled((a,), nodes.a, h)
         assert a.metrics()["evicted_pages"] == 56 + 32 and not dead.held()
