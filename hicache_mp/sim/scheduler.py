@@ -38,7 +38,10 @@ needs the scheduler thread to have a CPU of its own, as it has on a serving
 host; on a machine whose CPUs are all busy (load above the CPU count) the
 woken scheduler thread comes late, the reader keeps the GIL through its
 system calls, and the baselines look faster than they are in production
-(`bench` warns about such a run).
+(`bench` warns about such a run). The loop's own bookkeeping is its per-step
+work; it is not padded to SGLang's heavier step (tens of microseconds of
+batch building): a longer step holds the GIL no more and no less, as long as
+it does not release it, and only slows the loop's reaction.
 """
 from __future__ import annotations
 
