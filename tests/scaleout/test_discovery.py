@@ -65,10 +65,10 @@ def test_running_engine_on_b_finds_a_pages_within_2s_without_a_walk(nodes, fs_ca
         at_once = b.exists(more, wait_s=1.0)
         waited_s = time.monotonic() - t1
         walked = dict(calls)
+        assert not walked, f"B's process touched the store itself: {walked}"
         assert found == len(keys), f"B found {found} of {len(keys)} pages in {found_s:.2f} s"
         assert found_s <= 2.0, f"B found A's pages after {found_s:.2f} s"
         assert at_once == len(more), f"exists(wait_s=1) found {at_once} after {waited_s:.2f} s"
-        assert not walked, f"B's process touched the store itself: {walked}"
         m = b.metrics()
         assert m["probes_found"] >= len(keys) + len(more) and m["index_pages"] == len(keys) + len(more)
         got = prefetch(b, keys + more, range(48))

@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""The scheduler's loop rate on a store of a million page files while another
+engine writes into it: discovery by worker probes against the whole-store rescan.
+
+  store    --files page-file names in the fan-out tree (empty files named as
+           pages of this engine's namespace: the index, the rescan and the
+           evictor see names; made once, kept with --store DIR)
+  loop     a pure-Python busy loop standing for SGLang's scheduler (it holds
+           the GIL between calls, as the user's did): every iteration some
+           Python work and `poll()`; every --exists-every iterations
+           `exists()` of the next 16 keys the writer will write (a request
+           asking whether its prefix is in the store)
+  writer   another engine, in its own process (another rank or node), backing
+           up new pages into the same store as fast as it can
+  phases   (alternating, --rounds each, --phase-s seconds each)
+    quiet      no writer: the loop rate with no store activity
+    probes     the writer on; this engine finds its pages through exists()
+               (workers stat the keys the index misses; hicache_mp.discovery)
+    rescan     the writer on; an engine with rescan_interval_s=5, the old way
+               for shared MLA stores (a thread of this process walks the store)
+
+Printed: median loop rate per phase, probes / quiet (the target is >= 0.95),
+rescan / quiet, and how many of the writer's pages each engine found.
+"""
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine  # noqa: E402
+from workers import naming  # noqa: E402
+
+GEOMETRY = dict(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, dtype="bfloat16",
+                layout="page_first")  # 8 KiB pages: the writer is metadata-bound, like a big store
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def engine(store: str, **kw) -> PrefetchEngine:
+    return PrefetchEngine(EngineConfig(storage_dir=store, num_workers=1, host_pool_pages=32,
+                                       model_name="bench_discovery", **kw),
+                          PageGeometry(**GEOMETRY))
+
+
+def make_store(store: str, files: int) -> None:
+    """`files` empty files named as this namespace's pages (made once)."""
+    marker = os.path.join(store, f".made-{files}")
+    if os.path.exists(marker):
+        return
+    with engine(store) as e:
+        ns = e.namespace
+    t0 = time.monotonic()
+    made = set()
+    for i in range(files):
+        path = naming.page_path(store, naming.key_digest(f"old{i}", ns))
+        d = os.path.dirname(path)
+        if d not in made:
+            os.makedirs(d, exist_ok=True)
+            made.add(d)
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+        if i and i % 200_000 == 0:
+            log(f"  {i} files ({time.monotonic() - t0:.0f} s)")
+    open(marker, "w").close()
+    log(f"store: {files} page files in {time.monotonic() - t0:.0f} s")
+
+
+def writer(store: str, tag: str, ready, stop, counter) -> None:
+    """Another engine writing new pages, 16 per backup, until told to stop."""
+    with engine(store) as e:
+        ready.set()
+        i = 0
+        while not stop.is_set():
+            keys = [f"{tag}{i + j}" for j in range(16)]
+            op = e.backup(keys, range(16))
+            e.wait(op, 60)
+            i += 16
+            counter.value = i
+
+
+def loop(e: PrefetchEngine, seconds: float, exists_every: int, counter, tag: str = "") -> float:
+    """Iterations per second of the stand-in scheduler loop."""
+    n = 0
+    acc = 0
+    end = time.perf_counter() + seconds
+    while True:
+        for _ in range(exists_every):
+            for k in range(40):   # the scheduler's own Python work
+                acc += k * k
+            e.poll()
+            n += 1
+        at = counter.value if counter is not None else 0
+        e.exists([f"{tag}{at + j}" for j in range(16)])
+        if time.perf_counter() >= end:
+            break
+    return n / seconds
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--files", type=int, default=1_000_000, help="page files in the store")
+    p.add_argument("--store", help="store directory to make or reuse (default: a temporary one, "
+                                   "removed at the end)")
+    p.add_argument("--phase-s", type=float, default=6.0, help="seconds per phase")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the phases (medians)")
+    p.add_argument("--exists-every", type=int, default=100,
+                   help="loop iterations per exists() call")
+    args = p.parse_args(argv)
+    store = args.store or tempfile.mkdtemp(prefix="bench_discovery.")
+    try:
+        make_store(store, args.files)
+        ctx = mp.get_context("spawn")
+        rates = {"quiet": [], "probes": [], "rescan": []}
+        found = {}
+        for phase_engine, kw in (("probes", {}), ("rescan", {"rescan_interval_s": 5.0})):
+            t0 = time.monotonic()
+            with engine(store, **kw) as e:
+                log(f"{phase_engine} engine: started in {time.monotonic() - t0:.1f} s "
+                    f"({e.indexed_pages()} pages indexed by its start-up scan)")
+                for r in range(args.rounds):
+                    if phase_engine == "probes":
+                        rates["quiet"].append(loop(e, args.phase_s, args.exists_every, None))
+                    tag = f"new-{phase_engine}-{r}-"
+                    ready, stop, counter = ctx.Event(), ctx.Event(), ctx.Value("q", 0)
+                    w = ctx.Process(target=writer, args=(store, tag, ready, stop, counter))
+                    w.start()
+                    ready.wait(300)  # its engine's start-up scan is not part of the phase
+                    rates[phase_engine].append(loop(e, args.phase_s, args.exists_every, counter,
+                                                    tag))
+                    stop.set()
+                    w.join(60)
+                    written = counter.value
+                    e.poll()
+                    seen = sum(e.exists([f"{tag}{i}"]) for i in range(written))
+                    found.setdefault(phase_engine, []).append((seen, written))
+                    log(f"  round {r}: {phase_engine} loop {rates[phase_engine][-1]:,.0f} it/s"
+                        + (f", quiet {rates['quiet'][-1]:,.0f} it/s" if phase_engine == "probes"
+                           else "")
+                        + f"; the writer wrote {written} pages, this engine knew {seen} of them")
+        med = {k: statistics.median(v) for k, v in rates.items() if v}
+        log("")
+        log(f"store of {args.files:,} page files, {args.rounds} rounds of {args.phase_s:.0f} s, "
+            f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        log("| phase | loop it/s (median) | ÷ quiet |")
+        log("|---|---|---|")
+        for k in ("quiet", "probes", "rescan"):
+            log(f"| {k} | {med[k]:,.0f} | {med[k] / med['quiet']:.2f} |")
+    finally:
+        if not args.store:
+            shutil.rmtree(store, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
