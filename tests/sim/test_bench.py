@@ -232,8 +232,10 @@ def test_a_run_on_a_busy_machine_says_so(report):
     from hicache_mp.sim.bench import busy_machine_note
     for run in report["runs"].values():
         assert len(run["load_avg"]) == 2 and min(run["load_avg"]) >= 0
-    quiet = {"mp": {"load_avg": [0.5, 1.9]}, "file": {"load_avg": [1.0, 2.0]}}
+    quiet = {"mp": {"backend": "mp", "load_avg": [9.0, 16.0]},   # its own workers
+             "file": {"backend": "file", "load_avg": [1.0, 2.9]}}
     assert busy_machine_note(quiet, cpus=2) == ""
-    busy = {"mp": {"load_avg": [0.5, 1.9]}, "file": {"load_avg": [7.25, 3.0]}}
+    busy = {"mp": {"backend": "mp", "load_avg": [0.5, 1.9]},
+            "file": {"backend": "file", "load_avg": [7.25, 3.0]}}
     note = busy_machine_note(busy, cpus=2)
     assert note.startswith("Note: this machine was busy (1-minute load average up to 7.2 on 2 CPUs)")
