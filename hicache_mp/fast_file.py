@@ -22,8 +22,8 @@ run. What each part stands for:
   `os.readv` straight into the pool (`_readv_exact`), `os.close`.
 - `_write_page`: `_write_page_buffers` + `_publish_page_locked`: a striped
   lock, `os.path.getsize` (an existing page of the right size is skipped), a
-  `<path>.tmp.<pid>.<tid>.<uuid4>` file opened O_EXCL, `os.writev`, `os.close`,
-  `os.replace`.
+  temp file named with pid, thread id and uuid4 (in the store's temp-name form)
+  opened O_EXCL, `os.writev`, `os.close`, `os.replace`.
 
 The one difference is the file format: pages carry this project's 4096-byte
 header (workers.pagefile) so all backends share one store; the header rides in
