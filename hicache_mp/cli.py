@@ -108,7 +108,7 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--hicache-storage-backend", choices=BACKEND_CHOICES, default="all",
                    help="'all' runs none, file, file+yield, fast_file and mp one after another; "
                         "a single name runs only that backend")
-    p.add_argument("--fast-file-read-workers", type=_worker_counts, default=(1,), metavar="N[,N..]",
+    p.add_argument("--fast-file-read-workers", type=_worker_counts, default="1", metavar="N[,N..]",
                    help="read threads of the fast_file replica (SGLang PR #39880's read_workers); "
                         "a list runs fast_file once per count (e.g. 1,4)")
     p.add_argument("--fast-file-write-workers", type=int, default=1, metavar="N",
