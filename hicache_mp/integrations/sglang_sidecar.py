@@ -26,8 +26,15 @@ dim: `tensor.narrow(dim, index // div, length)` for the page at host index
 A pool that fits none of these (or whose plan disagrees with its own
 get_data_page size) is moved page by page through its own
 get_data_page / set_from_flat_data_page, as SGLang's `file` backend does.
+
+`zero_copy_region()` says when the workers can read straight into the pool:
+one page-indexed component along dim 0 (one run per page) or along dim 1 of a
+(2, pages, ...) tensor (a K run and a V run), whose tensor is the whole of
+one of the shm allocator's memfds.
 """
 from __future__ import annotations
+
+import os
 
 from dataclasses import dataclass
 
@@ -60,6 +67,15 @@ class BatchLayout:
         self.components = [c for c in components if c.tensor.numel()]
         self.kind = kind
         self.page_bytes = sum(c.page_bytes for c in self.components)
+
+    @property
+    def kv_runs(self) -> int:
+        """2 where a page is a K run and a V run of a (2, pages, ...) tensor, else 1."""
+        if len(self.components) == 1:
+            c = self.components[0]
+            if c.dim == 1 and c.length == 1 and c.tensor.shape[0] == 2:
+                return 2
+        return 1
 
     def describe(self) -> str:
         parts = [f"{tuple(c.tensor.shape)}@{c.dim}/{c.div}x{c.length}" for c in self.components]
@@ -99,6 +115,7 @@ class PerPageLayout:
     """Any other pool: its own get_data_page / set_from_flat_data_page, page by page."""
 
     batched = False
+    kv_runs = 1
 
     def __init__(self, host_pool, page_bytes: int, kind: str):
         self.pool, self.page_bytes, self.kind = host_pool, page_bytes, kind
@@ -168,3 +185,33 @@ def plan(host_pool):
     raise ValueError(f"hicache_mp: {type(host_pool).__name__} is not an SGLang host pool "
                      f"this backend can read (no known buffer layout and no "
                      f"get_data_page/set_from_flat_data_page)")
+
+
+def _mapping_address(mm) -> int | None:
+    try:
+        import numpy as np
+        return int(np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data)
+    except Exception:
+        return None
+
+
+def zero_copy_region(host_pool, layout) -> tuple[int | None, int, str]:
+    """(memfd, pages, "") where workers can map the pool's one page tensor, else
+    (None, 0, why not)."""
+    if not isinstance(layout, BatchLayout) or len(layout.components) != 1:
+        return None, 0, "a page spans several tensors (or an unknown layout)"
+    c = layout.components[0]
+    P = int(getattr(host_pool, "page_size", 1) or 1)
+    page_major = c.length == 1 and c.div == P and (
+        c.dim == 0 or (c.dim == 1 and layout.kv_runs == 2))
+    if not page_major or not c.tensor.is_contiguous():
+        return None, 0, "its pages are not whole runs of a page-major tensor"
+    alloc = getattr(host_pool, "allocator", None)
+    fds, mms = list(getattr(alloc, "fds", None) or []), list(getattr(alloc, "mms", None) or [])
+    base = c.tensor.data_ptr()
+    for fd, mm in zip(fds, mms):
+        if _mapping_address(mm) == base:
+            if os.fstat(fd).st_size < c.tensor.numel():
+                return None, 0, "its memfd is smaller than the pool"
+            return fd, int(c.tensor.shape[c.dim]), ""
+    return None, 0, "the pool has no memfd (SGLang's default allocator)"

@@ -6,11 +6,14 @@ compressed pools, draft pools), the per-pool hit policies of `batch_exists_v2`
 and the page moves of `batch_get_v2` / `batch_set_v2`. Must not touch the KV
 pool's own engine beyond asking the backend for KV presence and v1 I/O.
 
-Each sidecar pool gets its own engine (worker processes and an engine-owned
-shared-memory staging pool): a batch is one engine op per pool, its pages
-move between SGLang's host pool and the staging slots with a few batched
-torch copies (`sglang_sidecar`), never a Python loop over pages where the
-pool's layout is known.
+Each sidecar pool gets its own engine: a batch is one engine op per pool.
+Where the pool is one page-major tensor on a memfd ("allocator": "shm"; the
+DSA indexer, MHA/MLA pools in page_first_direct) the workers map it and
+read/write its pages in place (zero-copy, as for KV). Otherwise (a Mamba
+state is several tensors, each its own memfd; token-major layouts) they go
+through an engine-owned shared-memory staging pool, and the pages move
+between it and SGLang's pool with a few batched torch copies
+(`sglang_sidecar`), never a Python loop over pages where the layout is known.
 
 Page identity: the key is `{hash}.{pool}` as in SGLang's `file` backend, and
 the engine's namespace holds the pool name and the page's byte layout, so the
@@ -87,12 +90,14 @@ class _Slots:
 class SidecarPool:
     """One registered sidecar pool: its layout, engine and staging slots."""
 
-    def __init__(self, name: str, host_pool, layout, engine: PrefetchEngine):
+    def __init__(self, name: str, host_pool, layout, engine: PrefetchEngine, zero_copy: bool):
         self.name, self.host_pool, self.layout, self.engine = name, host_pool, layout, engine
         self.page_size = int(getattr(host_pool, "page_size", 1) or 1)
+        self.zero_copy = zero_copy
         pages = engine.config.host_pool_pages
-        self.staging = engine.host_pool.tensor.view(torch.uint8).reshape(pages, layout.page_bytes)
-        self.slots = _Slots(pages)
+        self.staging = None if zero_copy else \
+            engine.host_pool.tensor.view(torch.uint8).reshape(pages, layout.page_bytes)
+        self.slots = None if zero_copy else _Slots(pages)
 
     def key(self, key: str) -> str:
         return f"{key}.{self.name}"
@@ -120,8 +125,16 @@ class SidecarPool:
         return torch.empty(len(slots), self.layout.page_bytes, dtype=torch.uint8), \
             torch.tensor(slots, dtype=torch.int64)
 
+    def _pages(self, index: torch.Tensor) -> list[int]:
+        return (index // self.layout.components[0].div).tolist()
+
     def read(self, keys, index: torch.Tensor, wait) -> list[bool]:
         """Read pages into the host pool; only the leading run of landed pages counts."""
+        if self.zero_copy:
+            op = self.engine.prefetch([self.key(k) for k in keys], self._pages(index),
+                                      policy="wait_complete")
+            wait(self.engine, op)
+            return [i < op.completed_pages for i in range(len(keys))]
         done = 0
         while done < len(keys):
             slots = self.slots.take(len(keys) - done)
@@ -145,6 +158,12 @@ class SidecarPool:
         """Write pages not yet stored; per key whether its page is in the store."""
         ok = self.present(keys)
         todo = np.flatnonzero(~ok)
+        if self.zero_copy and len(todo):
+            pages = self._pages(index)
+            op = self.engine.backup([self.key(keys[i]) for i in todo], [pages[i] for i in todo])
+            wait(self.engine, op)
+            ok[todo] = op.page_status == st.OK
+            return ok.tolist()
         pos = 0
         while pos < len(todo):
             slots = self.slots.take(len(todo) - pos)
@@ -196,8 +215,13 @@ class HybridPools:
         engine = None
         try:
             layout = sglang_sidecar.plan(host_pool)
-            engine = PrefetchEngine(self._config(name, layout), self._geometry(layout))
-            pool = SidecarPool(name, host_pool, layout, engine)
+            fd, pages, why = sglang_sidecar.zero_copy_region(host_pool, layout)
+            if fd is not None and not self.backend.own.zero_copy:
+                fd, why = None, '"zero_copy": false in the extra-config'
+            g = self._geometry(layout, zero_copy=fd is not None)
+            engine = PrefetchEngine(self._config(name, layout, pages if fd is not None else 0),
+                                    g, pool_fd=fd)
+            pool = SidecarPool(name, host_pool, layout, engine, zero_copy=fd is not None)
         except Exception as exc:
             if engine is not None:
                 engine.close()
@@ -211,18 +235,26 @@ class HybridPools:
             self.pools[name] = pool
         log.info("hicache_mp: sidecar pool %r: %s, %d-byte pages, %s, %d workers", name,
                  layout.kind, layout.page_bytes,
-                 "batched copies" if layout.batched else "page-by-page copies",
-                 engine.worker_count())
+                 "zero-copy" if pool.zero_copy else
+                 ("staged, batched copies (%s)" % why) if layout.batched else
+                 "staged, page-by-page copies", engine.worker_count())
 
     @staticmethod
-    def _geometry(layout) -> PageGeometry:
-        # An opaque run of page_bytes bytes: the byte meaning is in the namespace.
+    def _geometry(layout, *, zero_copy: bool) -> PageGeometry:
+        # Opaque bytes (the byte meaning is in the namespace): one run per page,
+        # or a K and a V run. The fingerprint ignores the layout, so a page
+        # written zero-copy reads staged and back.
+        if layout.kv_runs == 2:
+            return PageGeometry(num_layers=1, num_kv_heads=1, head_dim=layout.page_bytes // 2,
+                                page_size=1, dtype="uint8",
+                                layout="page_first_direct" if zero_copy else "page_first")
         return PageGeometry(num_layers=1, num_kv_heads=1, head_dim=layout.page_bytes,
                             page_size=1, dtype="uint8", layout="page_first", mla=True)
 
-    def _config(self, name: str, layout):
+    def _config(self, name: str, layout, pool_pages: int = 0):
         b = self.backend
-        pages = max(1, min(SIDECAR_STAGING_PAGES, SIDECAR_STAGING_BYTES // layout.page_bytes))
+        pages = pool_pages or max(1, min(SIDECAR_STAGING_PAGES,
+                                         SIDECAR_STAGING_BYTES // layout.page_bytes))
         cfg = b._config(pages)
         names = {}
         if name == MAMBA:   # TP-sharded even when the KV is MLA (replicated)
@@ -325,6 +357,7 @@ class HybridPools:
 
     def metrics(self) -> dict:
         return {"sidecar_pools": {n: {"layout": p.layout.describe(),
+                                      "zero_copy": p.zero_copy,
                                       "batched": p.layout.batched,
                                       "page_bytes": p.layout.page_bytes,
                                       "workers": p.engine.worker_count()}

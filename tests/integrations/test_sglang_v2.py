@@ -425,3 +425,58 @@ def test_reattach_registers_again_and_close_leaves_nothing(make, stacks, store):
     b.close()
     assert all(e.closed for e in engines)   # the autouse fixture checks /dev/shm and processes
     assert not glob.glob(os.path.join(store, "**", "*.tmp.*"), recursive=True)
+
+
+# --- zero-copy sidecars: workers map the pool's memfd -----------------------------------
+def test_page_major_memfd_pools_are_zero_copy_and_their_files_read_staged(make, stacks,
+                                                                          tmp_path):
+    """DSA indexer (page_first) and MHA/MLA page_first_direct pools are one
+    page-major tensor on a memfd: read and written in place. A Mamba state (two
+    memfds) and token-major layouts are staged. A page written zero-copy reads
+    back on the staged path ("zero_copy": false) byte for byte, and back."""
+    keys = keys_for(3)
+    src = stacks(0)
+    swa_d = CpuMHAHostPool(layout="page_first_direct", page_size=P, pages=12, layer_num=2)
+    mla_d = CpuMLAHostPool(layout="page_first_direct", page_size=P, pages=12)
+    dst_swa = CpuMHAHostPool(layout="page_first_direct", page_size=P, pages=12, layer_num=2)
+    dst_mla = CpuMLAHostPool(layout="page_first_direct", page_size=P, pages=12)
+    try:
+        g = torch.Generator().manual_seed(4)
+        fill_random_mha(swa_d, g)
+        mla_d.fill_random(g)
+        store = str(tmp_path / "s")
+        b = make("mp", src, store_dir=store)
+        b.register_mem_host_pool_v2(swa_d, PoolName.DRAFT_SWA)
+        b.register_mem_host_pool_v2(mla_d, PoolName.DEEPSEEK_V4_C128)
+        zc = {n: p["zero_copy"] for n, p in b.metrics()["sidecar_pools"].items()}
+        assert zc == {"indexer": True, "draft_swa": True, "deepseek_v4_c128": True,
+                      "mamba": False, "swa": False, "deepseek_v4_c4": False}
+        w = b.batch_set_v2([tok_t(PoolName.INDEXER, src.indexer, keys, [1, 2, 3]),
+                            tok_t(PoolName.DRAFT_SWA, swa_d, keys, [1, 2, 3]),
+                            tok_t(PoolName.DEEPSEEK_V4_C128, mla_d, keys, [1, 2, 3])])
+        assert all(v == [True] * 3 for v in w.values())
+        # the staged path of another backend reads them
+        dst = stacks(9)
+        b2 = make("mp", dst, store_dir=store, zero_copy=False)
+        b2.register_mem_host_pool_v2(dst_swa, PoolName.DRAFT_SWA)
+        b2.register_mem_host_pool_v2(dst_mla, PoolName.DEEPSEEK_V4_C128)
+        assert not any(p["zero_copy"] for p in b2.metrics()["sidecar_pools"].values())
+        r = b2.batch_get_v2([tok_t(PoolName.INDEXER, dst.indexer, keys, [5, 6, 7]),
+                             tok_t(PoolName.DRAFT_SWA, dst_swa, keys, [5, 6, 7]),
+                             tok_t(PoolName.DEEPSEEK_V4_C128, dst_mla, keys, [5, 6, 7])])
+        assert all(v == [True] * 3 for v in r.values())
+        for a, z in zip([1, 2, 3], [5, 6, 7]):
+            assert torch.equal(page_bytes(dst.indexer, z * P), page_bytes(src.indexer, a * P))
+            assert torch.equal(page_bytes(dst_swa, z * P), page_bytes(swa_d, a * P))
+            assert torch.equal(page_bytes(dst_mla, z * P), page_bytes(mla_d, a * P))
+        # staged writes read back zero-copy
+        k2 = keys_for(2, "staged")
+        assert b2.batch_set_v2([tok_t(PoolName.DRAFT_SWA, dst_swa, k2, [5, 6])]) == \
+            {PoolName.DRAFT_SWA: [True, True]}
+        assert b.batch_get_v2([tok_t(PoolName.DRAFT_SWA, swa_d, k2, [9, 10])]) == \
+            {PoolName.DRAFT_SWA: [True, True]}
+        assert torch.equal(page_bytes(swa_d, 9 * P), page_bytes(dst_swa, 5 * P))
+        assert torch.equal(page_bytes(swa_d, 10 * P), page_bytes(dst_swa, 6 * P))
+    finally:
+        for p in (swa_d, mla_d, dst_swa, dst_mla):
+            p.close()
