@@ -555,6 +555,7 @@ class PrefetchEngine(EngineCore):
             "io_depth": self.config.resolved_io_depth(self.direct_io),
             "backup_budget_pages": self._backup_budget,
             "backup_pages_held": self._write_pages,
+            "evictor_respawns": self._evictor.respawns if self._evictor else 0,
             "evicted_pages": self._evictor.evicted_pages if self._evictor else 0,
             "evicted_bytes": self._evictor.evicted_bytes if self._evictor else 0,
             "store_bytes_estimate": self._control.store_estimate()

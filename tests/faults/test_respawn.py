@@ -81,3 +81,19 @@ def test_failed_replacements_break_the_pool_once_and_for_good(store):
             time.sleep(0.01)
         m = e.metrics()
         assert m["respawns"] == respawns and m["broken"] and m["pages_in_flight"] == 0, m
+
+
+def test_a_dead_evictor_is_replaced_in_the_background(store):
+    """The evictor starts through the same child helper: its replacement too is
+    launched by one poll() and says ready later, and eviction goes on."""
+    from workers.control import EVICTOR_PID
+    with make(store, pages=2 * N, workers=1, storage_max_bytes=4 << 20) as e:
+        old = int(e._control.words[EVICTOR_PID])
+        assert old and old == e._evictor.child.pid
+        os.kill(old, signal.SIGKILL)
+        _poll_until(e, lambda: e.metrics()["evictor_respawns"] == 1)
+        new = e._evictor.child.pid
+        assert new != old and int(e._control.words[EVICTOR_PID]) != new  # not waited for
+        _poll_until(e, lambda: int(e._control.words[EVICTOR_PID]) == new)
+        assert e._evictor.alive()
+        assert backup(e, [f"e{i}" for i in range(N)], range(N)).status == "ok"
