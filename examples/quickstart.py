@@ -20,8 +20,8 @@ with tempfile.TemporaryDirectory() as store:
     config = EngineConfig(storage_dir=store, num_workers=2, host_pool_pages=64,
                           prefetch_policy="wait_complete")
     with PrefetchEngine(config, geometry) as engine:
-        # Write: fill host slots 0-15, back them up, and let the backup finish
-        # before close() (close cancels whatever is still in flight).
+        # Write: fill host slots 0-15, back them up, and wait for the backup:
+        # close() would flush it too (up to 30 s), but only the op says "ok".
         pages = torch.randn(len(keys), *geometry.page_shape).to(torch.bfloat16)
         for slot, page in enumerate(pages):
             engine.host_pool.page_view(slot).copy_(page)
