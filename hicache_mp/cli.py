@@ -308,7 +308,9 @@ def _conclude(report: dict, args) -> int:
     verdict = format_verdict(rows)
     if verdict:
         print(verdict, flush=True)
-    note = busy_machine_note(report["runs"])
+    # The CPUs of the machine the runs were measured on (a --merge of reports
+    # from a GPU box is printed on another machine).
+    note = busy_machine_note(report["runs"], cpus=(report.get("machine") or {}).get("cpus_logical"))
     if note:
         print(note, flush=True)
     if args.json:
