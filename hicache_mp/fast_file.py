@@ -10,8 +10,7 @@ run. What each part stands for:
   its backup thread; each op is cut into `STORAGE_BATCH_SIZE` (128) page
   batches (`_page_transfer`, `_page_backup`), the op is checked for
   termination before each batch, and a batch's pages complete together (one
-  PrefetchAck per batch). The hit query runs on the same thread as the reads
-  (SGLang hands the op from one thread to the next: that hand-off is spared).
+  PrefetchAck per batch).
 - `_transfer`: `HiCacheFastFile._transfer_pages` (`batch_get_v1` / `batch_set_v1`):
   one iovec list per page over the host pool's own memory (`_pool_page_buffers`)
   for the page-first layouts, a staged tensor copy otherwise (`_staged_read_page`).
@@ -29,7 +28,11 @@ The one difference is the file format: pages carry this project's 4096-byte
 header (workers.pagefile) so all backends share one store; the header rides in
 the same `readv`/`writev` as the payload and is checked in Python after the
 read, so the system calls per page are the PR's. Without max_size the PR's
-evictor and metadata cache are inert, so they are not replicated.
+evictor and metadata cache are inert, so they are not replicated. Where the
+replica departs from the PR it spares work, never adds it: per batch it takes
+the pool's byte views directly (the PR lists every token index and builds a
+ctypes buffer per page), and the controller's thread-to-thread hand-offs of
+an op (hit query, I/O, progress sync) happen on one thread here.
 
 Owns only those threads. Must not be used as the production path.
 """
