@@ -1,8 +1,8 @@
 """Replacing a dead worker never blocks poll(), and "broken" is one terminal state.
 
 - The poll() that notices a death launches the replacement and returns before
-  it is ready (before: it waited for the new worker to map and pre-populate
-  the whole pool, seconds at production sizes); work goes to the ready
+  it is ready (waiting for the new worker to map and pre-populate the whole
+  pool would take seconds at production sizes); work goes to the ready
   workers meanwhile, and to the replacement once it is ready.
 - A replacement that dies before it is ready is retried; only
   MAX_START_FAILURES in a row break the pool, after which every prefetch and

@@ -80,8 +80,8 @@ def test_stuck_worker_is_failed_fenced_and_replaced(store):
 
 def test_a_stuck_read_does_not_hold_back_other_workers_backups(store):
     """Worker 1 frozen in a read (no watchdog within the test); the backups that
-    go to worker 0 all land. Before: each waited WRITE_DEFER_MAX_S (0.5 s) for
-    the reads that can never finish, so 24 pages took 12 s."""
+    go to worker 0 all land. Were the stuck read counted as outstanding, each
+    would wait WRITE_DEFER_MAX_S (0.5 s): 12 s for 24 pages."""
     keys = [f"r{i}" for i in range(N)]
     with make(store, geo=BIG, pages=4 * N + 48, workers=2, worker_batch=1) as e:
         assert backup(e, keys, range(N)).status == "ok"
@@ -95,7 +95,7 @@ def test_a_stuck_read_does_not_hold_back_other_workers_backups(store):
         op = e.backup(wkeys, wslots)
         mine = op.worker_of == 0
         assert mine.sum() == 24
-        deadline = time.monotonic() + 8  # before: 12 s (0.5 s per page)
+        deadline = time.monotonic() + 8  # 12 s if each page waited 0.5 s
         while (op.page_status[mine] == st.PENDING).any():
             assert time.monotonic() < deadline, \
                 f"backups throttled by a stuck read: {(op.page_status[mine] != st.PENDING).sum()} of 24"
