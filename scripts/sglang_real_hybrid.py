@@ -37,47 +37,63 @@ def load() -> SimpleNamespace:
     return SimpleNamespace(**{k: v for k, v in locals().items()})
 
 
-def _ptrs(tensors):
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
+def _ptrs(tensors, device="cpu"):
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64, device=device)
+
+
+def _dev(device):
+    return device or sglang_real._device()
 
 
 def mha_pool(S, *, layout, layers=2, heads=2, head_dim=16, page_size=4, tokens=32,
-             dtype=torch.bfloat16):
-    """MHATokenToKVPoolHost over CPU device buffers, "allocator": "shm"."""
-    k = tuple(torch.zeros(tokens + page_size, heads, head_dim, dtype=dtype) for _ in range(layers))
-    v = tuple(torch.zeros(tokens + page_size, heads, head_dim, dtype=dtype) for _ in range(layers))
+             dtype=torch.bfloat16, device=None):
+    """MHATokenToKVPoolHost of 2 * `tokens` host tokens (plus SGLang's padding
+    page) over a one-page device buffer (on the GPU where there is one),
+    "allocator": "shm"."""
+    device = _dev(device)
+    k = tuple(torch.zeros(page_size, heads, head_dim, dtype=dtype, device=device)
+              for _ in range(layers))
+    v = tuple(torch.zeros(page_size, heads, head_dim, dtype=dtype, device=device)
+              for _ in range(layers))
     info = S.MHABufferInfo(
-        buffers=S.KVBuffers(k=k, v=v, k_data_ptrs=_ptrs(k), v_data_ptrs=_ptrs(v),
+        buffers=S.KVBuffers(k=k, v=v, k_data_ptrs=_ptrs(k, device), v_data_ptrs=_ptrs(v, device),
                             layout=S.KVBufferLayout.NHD),
         page_size=page_size, head_num=heads, head_dim=head_dim, v_head_dim=head_dim,
-        dtype=dtype, device=torch.device("cpu"))
-    return S.MHATokenToKVPoolHost(info, 2.0, 0, page_size, layout, pin_memory=False,
-                                  device="cpu", allocator_type="shm",
-                                  device_capacity_tokens=tokens, start_layer=0, end_layer=layers)
+        dtype=dtype, device=torch.device(device))
+    return S.MHATokenToKVPoolHost(info, 1.0, 0, page_size, layout,
+                                  pin_memory=device == "cuda", device="cpu",
+                                  allocator_type="shm", device_capacity_tokens=page_size,
+                                  start_layer=0, end_layer=layers,
+                                  host_token_capacity=2 * tokens)
 
 
 def mla_pool(S, *, layout, layers=2, page_size=4, tokens=32, rank=16, rope=4,
-             dtype=torch.bfloat16):
+             dtype=torch.bfloat16, device=None):
+    device = _dev(device)
     dim = rank + rope
-    bufs = tuple(torch.zeros(tokens + page_size, 1, dim, dtype=dtype) for _ in range(layers))
-    info = S.MLABufferInfo(buffers=bufs, data_ptrs=_ptrs(bufs), layer_indices=tuple(range(layers)),
-                           device_layer_num=layers, page_size=page_size, kv_lora_rank=rank,
-                           qk_rope_head_dim=rope, kv_cache_dim=dim, dtype=dtype,
-                           device=torch.device("cpu"))
-    return S.MLATokenToKVPoolHost(info, 2.0, 0, page_size, layout, pin_memory=False,
-                                  device="cpu", allocator_type="shm",
-                                  device_capacity_tokens=tokens, start_layer=0, end_layer=layers,
-                                  target_layer_num=layers)
+    bufs = tuple(torch.zeros(page_size, 1, dim, dtype=dtype, device=device)
+                 for _ in range(layers))
+    info = S.MLABufferInfo(buffers=bufs, data_ptrs=_ptrs(bufs, device),
+                           layer_indices=tuple(range(layers)), device_layer_num=layers,
+                           page_size=page_size, kv_lora_rank=rank, qk_rope_head_dim=rope,
+                           kv_cache_dim=dim, dtype=dtype, device=torch.device(device))
+    return S.MLATokenToKVPoolHost(info, 1.0, 0, page_size, layout,
+                                  pin_memory=device == "cuda", device="cpu",
+                                  allocator_type="shm", device_capacity_tokens=page_size,
+                                  start_layer=0, end_layer=layers, target_layer_num=layers,
+                                  host_token_capacity=2 * tokens)
 
 
 def mamba_pool(S, *, layers=2, slots=6, temporal=(2, 4, 4), conv=((3, 8),),
-               layout="page_first"):
+               layout="page_first", device=None):
     """MambaPoolHost: fp32 temporal + bf16 conv state, each its own memfd."""
+    device = _dev(device)
     info = S.MambaStateBufferInfo(
-        temporal=torch.zeros((layers, slots) + tuple(temporal)),
-        conv=tuple(torch.zeros((layers, slots) + tuple(c), dtype=torch.bfloat16) for c in conv))
-    return S.MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu",
-                           allocator_type="shm", layout=layout)
+        temporal=torch.zeros((layers, slots) + tuple(temporal), device=device),
+        conv=tuple(torch.zeros((layers, slots) + tuple(c), dtype=torch.bfloat16, device=device)
+                   for c in conv))
+    return S.MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=device == "cuda",
+                           device="cpu", allocator_type="shm", layout=layout)
 
 
 def dsa_device_pool(*, layers=2, page_size=4, tokens=32, bytes_per_token=6):
