@@ -19,8 +19,8 @@ import time
 import torch
 
 from shm import HostPool, new_owner_tag, clean_stale
-from workers import naming, pagefile
-from workers.storedir import ensure_parent
+from workers import pagefile, tmpfiles
+from workers.storedir import ensure_fanout
 from workers import status as st
 
 from .core import EngineCore
@@ -68,7 +68,7 @@ class ThreadedFileEngine(EngineCore):
             self._signal.set()
 
     def _read(self, op: Op, pos: int) -> tuple[int, int]:
-        path = naming.page_path(self.config.storage_dir, op.digests[pos])
+        path = self._store.path(op.digests[pos])
         # SGLang's hit query (`_storage_hit_query` -> HiCacheFile.batch_exists: one
         # os.path.isfile per page) runs before the read; here on the same thread.
         if not os.path.isfile(path):
@@ -91,12 +91,12 @@ class ThreadedFileEngine(EngineCore):
         return st.OK, 0
 
     def _write(self, op: Op, pos: int) -> tuple[int, int]:
-        path = naming.page_path(self.config.storage_dir, op.digests[pos])
+        path = self._store.path(op.digests[pos])
         flat = self.host_pool.page_view(int(op.host_pages[pos])).contiguous()  # a copy, as SGLang
         self._serial += 1
-        tmp = naming.tmp_path(path, os.getpid(), self._serial)
+        tmp = tmpfiles.tmp_name(path, self._serial)
         try:
-            ensure_parent(path, self.config.storage_dir)
+            ensure_fanout(path)
             with open(tmp, "wb") as f:
                 f.write(pagefile.build_header(self.geometry.page_bytes, self._fp, op.digests[pos]))
                 f.write(memoryview(flat.view(-1).view(torch.uint8).numpy()))

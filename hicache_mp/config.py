@@ -15,6 +15,7 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 
 from workers.control import MAX_WORKERS
+from workers.store import normalize_spec
 
 MAX_IO_DEPTH = 32  # lanes per worker: a bound against typos; depth 4 already never beat 2 (decision 19)
 
@@ -91,7 +92,8 @@ STALL_HELP = ("seconds a single page I/O may run before its worker is judged stu
 
 @dataclass
 class EngineConfig:
-    storage_dir: str = setting(help="page store directory", sglang=True)
+    storage_dir: str = setting(help="page store directory, or a comma-separated list of them "
+                               "(one per drive): pages spread over them by digest", sglang=True)
     num_workers: int = setting(
         0, "I/O worker processes; 0 = auto: a share of the node-wide budget of physical cores "
         "less one per engine's scheduler (see node_engines)",
@@ -123,6 +125,10 @@ class EngineConfig:
     write_checksum: bool = setting(False, "store a payload crc32 on backup", sglang=True)
     verify_checksum: bool = setting(True, "check the payload crc32 on read when present",
                                     sglang=True)
+    require_checksum: bool = setting(
+        False, "refuse pages stored without a payload checksum (status 'unverified', a miss): "
+        "a store written before checksums were on cannot serve unchecked bytes. Backups then "
+        "store one", flag="--hicache-mp-require-checksum", sglang=True)
     quarantine_bad_files: bool = setting(
         False, "move corrupt/foreign/wrong-key files to <store>/quarantine", sglang=True)
     fsync: str = setting("none", FSYNC_HELP, flag="--hicache-mp-fsync", sglang=True,
@@ -161,7 +167,7 @@ class EngineConfig:
         # exists (the host pool's size is checked against /dev/shm when it is created).
         for f in settings(type(self)):
             setattr(self, f.name, parse_value(f, getattr(self, f.name)))
-        self.storage_dir = os.path.abspath(os.path.expanduser(self.storage_dir))
+        self.storage_dir = normalize_spec(self.storage_dir)  # one directory, or a list: striped
 
     def resolved_workers(self) -> int:
         return self.num_workers or auto_workers()

@@ -33,6 +33,7 @@ from shm import PageGeometry
 from workers import naming
 from workers import status as st
 from workers.control import PIN_SLOTS, pin_slots
+from workers.store import open_store
 
 from .config import POLICIES, EngineConfig
 from .discovery import Discovery
@@ -105,8 +106,9 @@ class EngineCore:
         self.namespace = naming.namespace(config.model_name, geometry.fingerprint(),
                                           tp_rank=config.tp_rank, tp_size=config.tp_size,
                                           extra=config.namespace_extra)
-        os.makedirs(config.storage_dir, mode=0o700, exist_ok=True)
-        self._index = StoreIndex(config.storage_dir)
+        self._store = open_store(config.storage_dir)  # for scans; workers open their own
+        self._store.create()
+        self._index = StoreIndex(self._store)
         self._index.scan()
         self._lock = threading.RLock()
         self._ops: dict[int, Op] = {}
@@ -324,7 +326,7 @@ class EngineCore:
         """Rescan the store (picks up pages other engines wrote). Returns the count."""
         if self._forked:
             self._refuse_in_child()
-        found = StoreIndex(self.config.storage_dir)
+        found = StoreIndex(self._store)
         found.scan()
         with self._lock:
             self._index.digests |= found.digests

@@ -103,7 +103,7 @@ class PrefetchEngine(EngineCore):
         self._stalled_pages = 0
         self.shared_pool = pool_fd is not None
         self.direct_io, self.direct_io_reason = directio.resolve(
-            config.direct_io, config.storage_dir, geometry, config.host_pool_pages,
+            config.direct_io, self._store.roots, geometry, config.host_pool_pages,
             config.storage_max_bytes)
         if config.direct_io != "off":
             # One line per engine: a filesystem that refuses is worth a warning; an
@@ -176,7 +176,8 @@ class PrefetchEngine(EngineCore):
                 pool_name=self.host_pool.name, pool_pages=config.host_pool_pages,
                 pool_fd=None if own_fd is None else own_fd.fd, populate=config.populate,
                 verify_checksum=config.verify_checksum, write_checksum=config.write_checksum,
-                fsync=config.fsync, quarantine_bad_files=config.quarantine_bad_files,
+                fsync=config.fsync, require_checksum=config.require_checksum,
+                quarantine_bad_files=config.quarantine_bad_files,
                 worker_batch=config.worker_batch, reads_per_write=config.reads_per_write,
                 direct_io=self.direct_io, io_depth=config.resolved_io_depth(self.direct_io),
                 num_workers=workers, capacity=config.capacity_limited,

@@ -47,9 +47,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from shm import HostPool, clean_stale, new_owner_tag
-from workers import naming, pagefile
+from workers import pagefile, tmpfiles
 from workers import status as st
-from workers.storedir import ensure_parent
+from workers.storedir import ensure_fanout
 
 from .core import EngineCore
 from .ops import READ, WRITE, Op
@@ -170,7 +170,7 @@ class FastFileEngine(EngineCore):
 
     # --- one page ---------------------------------------------------------------
     def _path(self, digest: bytes) -> str:
-        return naming.page_path(self.config.storage_dir, digest)
+        return self._store.path(digest)
 
     def _read_page(self, digest: bytes, buffers: list) -> tuple[int, int]:
         header = memoryview(bytearray(pagefile.HEADER_SIZE))
@@ -219,10 +219,10 @@ class FastFileEngine(EngineCore):
             except OSError as exc:
                 return st.IOERROR, exc.errno or 0
             # The store's temp form (so its stale-temp scan knows it), the PR's uniquifier.
-            tmp = naming.tmp_path(path, os.getpid(), f"{threading.get_ident()}-{uuid.uuid4().hex}")
+            tmp = tmpfiles.tmp_name(path, f"{threading.get_ident()}-{uuid.uuid4().hex}")
             fd = -1
             try:
-                ensure_parent(path, self.config.storage_dir)  # the fan-out dirs (PR: one flat dir)
+                ensure_fanout(path)  # the fan-out dirs (PR: one flat dir)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 try:
                     self._writev_exact(fd, buffers)

@@ -130,9 +130,44 @@ def ram_bytes() -> int:
         return 0
 
 
-def resolve(mode: str, directory: str, geometry, num_pages: int,
+def probe_read(directory: str, why: str) -> tuple[bool | None, str]:
+    """When no probe file can be written (a full or read-only store): open one
+    page file already there O_DIRECT and read its first block.
+
+    (True, reason) if that worked, (False, reason) if the filesystem refused,
+    (None, reason) if there is no page to try (nothing to read either).
+    """
+    from workers.filestore import fanout_dirs  # it imports this module
+    for sub in fanout_dirs(directory):
+        try:
+            with os.scandir(sub) as it:
+                name = next((e.path for e in it if e.name.endswith(".page")
+                             and e.is_file(follow_symlinks=False)), None)
+        except OSError:
+            continue
+        if name is None:
+            continue
+        buf = Scratch(ALIGN)
+        fd = -1
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | O_DIRECT)
+            os.preadv(fd, [buf.view], 0)
+            return True, f"accepted for reads (no write probe: {why})"
+        except OSError as exc:
+            if exc.errno in _REFUSALS:
+                return False, f"refused at read ({os.strerror(exc.errno)})"
+            continue
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            buf.close()
+    return None, f"not probed ({why}; no page to read)"
+
+
+def resolve(mode: str, directories, geometry, num_pages: int,
             max_bytes: int = 0) -> tuple[bool, str]:
-    """(use O_DIRECT?, one line saying why) for an engine starting on `directory`.
+    """(use O_DIRECT?, one line saying why) for an engine starting on `directories`
+    (one path, or the list a striped store spreads over: each must accept).
 
     "off": never. "on": when the filesystem accepts it and the geometry is
     aligned; anything else is an error (ValueError) at start. "auto": the
@@ -147,6 +182,11 @@ def resolve(mode: str, directory: str, geometry, num_pages: int,
     buffered). A store that really outgrows RAM is read mostly cold, where
     O_DIRECT saves a copy per page and keeps the page cache for the rest of
     the machine.
+
+    A store where no probe file can be written (full, read-only) is probed by
+    reading a page already there; with none, "on" uses O_DIRECT as asked and
+    "auto" does not. Either way the engine starts and serves reads; a write
+    then ends with its own status (nospace, denied).
     """
     if mode not in MODES:
         raise ValueError(f"direct_io must be one of {MODES}, got {mode!r}")
@@ -158,11 +198,20 @@ def resolve(mode: str, directory: str, geometry, num_pages: int,
         if mode == "on":
             raise ValueError(f"direct_io=on, but {why}")
         return False, f"buffered I/O: {why}"
-    ok, reason = probe(directory)
-    if not ok:
-        if mode == "on":
-            raise ValueError(f"direct_io=on, but O_DIRECT on {directory}: {reason}")
-        return False, f"buffered I/O: O_DIRECT on {directory} {reason}"
+    dirs = [directories] if isinstance(directories, str) else list(directories)
+    notes = []
+    for directory in dirs:
+        ok, reason = probe(directory)
+        if not ok and reason.startswith("could not probe"):
+            ok, reason = probe_read(directory, reason)
+            if ok is None:
+                ok = mode == "on"
+            if ok:
+                notes.append(f" ({directory}: {reason})")
+        if not ok:
+            if mode == "on":
+                raise ValueError(f"direct_io=on, but O_DIRECT on {directory}: {reason}")
+            return False, f"buffered I/O: O_DIRECT on {directory} {reason}"
     if mode == "auto":
         ram = ram_bytes()
         if not max_bytes:
@@ -173,4 +222,4 @@ def resolve(mode: str, directory: str, geometry, num_pages: int,
             return False, (f"buffered I/O: the store ({max_bytes / 2**30:.0f} GiB at most) fits in "
                            f"RAM ({ram / 2**30:.0f} GiB), so the page cache serves hot pages; "
                            f"direct_io=on forces O_DIRECT")
-    return True, f"O_DIRECT on {directory}"
+    return True, f"O_DIRECT on {', '.join(dirs)}{''.join(notes)}"

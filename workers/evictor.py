@@ -10,24 +10,28 @@ behind writes exactly when the disk fills. Torch-free, like the workers.
     engine                        evictor                           workers
     ------                        -------                           -------
     PINS[h(digest)] += 1  ──────► never unlinks a pinned page
-    on submit, -= 1 on done       scan: stat every page file        futimens after a read
-                                  (mtime = last access) ◄────────── (the LRU stamp)
+    on submit, -= 1 on done       scan the store (workers.store):   a read stamps the page
+                                  last access per page ◄─────────── (the LRU stamp)
     poll(): evict_ring.pop() ◄─── push (KIND_EVICT, digest, bytes)  reserve bytes before a
     index forgets the page        per page removed                  write; over a limit:
                                   sleeps on evict_sem ◄──────────── DROPPED, post evict_sem
 
 A pass (when a worker posts that a limit is near, and every `interval_s`):
-  1. snapshot sum(WRITTEN) and sum(INFLIGHT), scan the fan-out directories
-     (page files and temp files count towards the total; only page files are
-     removed);
+  1. snapshot sum(WRITTEN) and sum(INFLIGHT), scan each part of the store
+     (one per directory of a striped store; page files and temp files count
+     towards the total; only page files are removed);
   2. publish STORE_BASE (scanned bytes + INFLIGHT), then WRITTEN_AT_SCAN
      (workers.control explains the order);
-  3. if the total is above `max_bytes - headroom` or free space below
-     `min_free + headroom`: take the store's eviction lease (or skip: another
-     engine's evictor holds it; workers.evictlease), scan again, and unlink
-     the least recently accessed unpinned pages until the total is at most `max_bytes - 2 * headroom` and free space at
-     least `min_free + 2 * headroom` (hysteresis: one pass frees room for
-     several writes, not one), reporting each on the evict ring.
+  3. per part (one per directory of a striped store), with its share of the
+     limits (max_bytes / parts, the floor on its own filesystem): if it holds
+     more than `share - headroom` or its free space is below `min_free +
+     headroom`, take that directory's eviction lease (or skip: another
+     engine's evictor holds it; workers.evictlease), measure again, and
+     remove the least recently accessed unpinned pages (`eviction_order`:
+     stamps from the future first) until it holds at most `share - 2 *
+     headroom` and has `min_free + 2 * headroom` free (hysteresis: one pass
+     frees room for several writes, not one), reporting each on the evict
+     ring.
 
 Safety with several engines on one directory: page files are immutable
 (writers rename a whole new file over the old name), so removing one never
@@ -52,11 +56,11 @@ import numpy as np
 
 from shm import Ring, WakeSemaphore
 from shm.ring import RECORD_DTYPE
-from workers import evictlease, naming
+from workers import evictlease
 from workers.child import PARENT_CHECK_S, Child, ParentWatch, child_main, orphan_cleanup, \
     wait_ready
 from workers.records import KIND_EVICT
-from workers.storedir import fanout_dirs
+from workers.store import open_store
 from workers.control import EVICTOR_PID, INFLIGHT, MAX_BYTES, MIN_FREE, STOP, STORE_BASE, WRITTEN, \
     WRITTEN_AT_SCAN, Control, pin_slot
 
@@ -72,7 +76,7 @@ def headroom_bytes(max_bytes: int, min_free: int, file_bytes: int) -> int:
 class Evictor:
     def __init__(self, cfg: dict):
         self.cfg = cfg
-        self.root = cfg["storage_dir"]
+        self.store = open_store(cfg["storage_dir"])
         self.parent = ParentWatch(cfg["parent_pid"])
         self.interval_s = cfg["interval_s"]
         self.headroom = cfg["headroom"]
@@ -103,74 +107,77 @@ class Evictor:
 
     # --- one pass -----------------------------------------------------------
     def one_pass(self) -> int:
-        pages, total = self._measure()
-        if self._need(total) <= 0:
-            return 0
-        # The store may be shared: one evictor at a time, on a fresh measure
-        # (workers.evictlease). Without the lease another one is at it.
-        lease = evictlease.take(self.root)
-        if lease is None:
-            return 0
-        try:
-            pages, total = self._measure()
-            return self._evict(pages, self._need(total), lease)
-        finally:
-            lease.release()
+        parts = self.store.parts()
+        scans, in_flight = self._measure(parts)
+        removed = 0
+        for i, part in enumerate(parts):
+            if self._need(part, scans[i], in_flight, len(parts)) <= 0:
+                continue
+            # The store may be shared: one evictor at a time per directory, on a
+            # fresh measure (workers.evictlease). Without the lease another one is at it.
+            lease = evictlease.take(part.root)
+            if lease is None:
+                continue
+            try:
+                scans, in_flight = self._measure(parts)
+                removed += self._evict(part, scans[i].pages,
+                                       self._need(part, scans[i], in_flight, len(parts)), lease)
+            finally:
+                lease.release()
+        return removed
 
-    def _measure(self) -> tuple[list, int]:
-        """Scan the store (every node's files) and publish its size to the workers."""
+    def _measure(self, parts: list) -> tuple[list, int]:
+        """Scan every part (every node's files) and publish the store's size to
+        the workers; ([Scan] per part, bytes reserved by writes in flight)."""
         words = self.control.words
         # WRITTEN first, then INFLIGHT: a write reserved between the two loads is
         # then counted twice (safe), never missed. A write in flight now may not
         # be on disk when the scan passes its directory: INFLIGHT covers it.
         written_before = int(self.control.workers[:, WRITTEN].sum())
         in_flight = int(self.control.workers[:, INFLIGHT].sum())
-        pages, total = scan(self.root)
-        total += in_flight
+        scans = [part.scan() for part in parts]
         # Anything written while we scanned may be counted twice: an over-estimate.
-        words[STORE_BASE] = total
+        words[STORE_BASE] = sum(one.total_bytes for one in scans) + in_flight
         words[WRITTEN_AT_SCAN] = written_before
-        return pages, total
+        return scans, in_flight
 
-    def _need(self, total: int) -> int:
-        """Bytes to remove so the store is back inside its limits, with hysteresis."""
+    def _need(self, part, one, in_flight: int, nparts: int) -> int:
+        """Bytes to remove from one part so it is back inside its share of the
+        limits, with hysteresis. Placement by digest fills the parts evenly."""
         words = self.control.words
         max_bytes, min_free = int(words[MAX_BYTES]), int(words[MIN_FREE])
+        share, headroom = max_bytes // nparts, max(self.headroom // nparts, 1)
+        used = one.total_bytes + in_flight // nparts
         need = 0
-        if max_bytes and total > max_bytes - self.headroom:
-            need = total - (max_bytes - 2 * self.headroom)
-        free = _free_bytes(self.root)
-        if min_free and free is not None and free < min_free + self.headroom:
-            need = max(need, min_free + 2 * self.headroom - free)
+        if max_bytes and used > share - headroom:
+            need = used - (share - 2 * headroom)
+        free = part.free_bytes()
+        if min_free and free is not None and free < min_free + headroom:
+            need = max(need, min_free + 2 * headroom - free)
         return need
 
-    def _evict(self, pages: list, need: int, lease) -> int:
+    def _evict(self, part, pages: list, need: int, lease) -> int:
+        """Remove the coldest unpinned pages of one part until `need` bytes are freed."""
         if need <= 0:
             return 0
-        words = self.control.words
-        pages.sort()  # oldest access first
-        pins = self.control.pins
+        words, pins = self.control.words, self.control.pins
         freed = removed = 0
-        for _mtime, size, path, digest in pages:
+        for page in eviction_order(pages, time.time_ns()):
             if freed >= need or self.control.stopping():
                 break
-            if pins[pin_slot(digest)]:
+            if pins[pin_slot(page.digest)]:
                 continue  # in flight in this engine: never evicted
             if not self._room_to_report():
                 break  # the engine is not polling; evict more once it has caught up
             if removed % LEASE_CHECK_EVERY == LEASE_CHECK_EVERY - 1 and not lease.held():
                 break  # our lease expired and another evictor took over
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass  # another engine removed or replaced it: the space is gone anyway
-            except OSError:
+            if not part.remove(page.digest):
                 continue
-            freed += size
+            freed += page.size
             removed += 1
-            words[STORE_BASE] = max(0, int(words[STORE_BASE]) - size)
-            self.out["digest"][0] = np.frombuffer(digest, dtype=np.uint8)
-            self.out["io_ns"][0] = size
+            words[STORE_BASE] = max(0, int(words[STORE_BASE]) - page.size)
+            self.out["digest"][0] = np.frombuffer(page.digest, dtype=np.uint8)
+            self.out["io_ns"][0] = page.size
             self.ring.push(self.out)
         return removed
 
@@ -184,35 +191,23 @@ class Evictor:
         return True
 
 
-def scan(root: str) -> tuple[list, int]:
-    """([(mtime_ns, bytes, path, digest)] of page files, bytes of pages and temp files)."""
-    pages, total = [], 0
-    for sub in fanout_dirs(root):
-        try:
-            it = os.scandir(sub)
-        except OSError:
-            continue
-        with it:
-            for entry in it:
-                digest = naming.digest_from_name(entry.name)
-                if digest is None and naming.TMP_MARK not in entry.name:
-                    continue
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue  # removed under us
-                total += st.st_size
-                if digest is not None:
-                    pages.append((st.st_mtime_ns, st.st_size, entry.path, digest))
-    return pages, total
+# A stamp further ahead of this clock than this is not a last access: the
+# clock went back, or the file came with a time from elsewhere. Slack for
+# clocks of hosts sharing a network filesystem that differ by seconds.
+FUTURE_SLACK_S = 60.0
 
 
-def _free_bytes(path: str) -> int | None:
-    try:
-        vfs = os.statvfs(path)
-    except OSError:
-        return None
-    return vfs.f_bavail * vfs.f_frsize
+def eviction_order(pages: list, now_ns: int) -> list:
+    """Pages coldest first, by last access, trusting no stamp from the future.
+
+    A page stamped more than FUTURE_SLACK_S ahead of now has not been read
+    since the clock went back (a read stamps it with now), so it goes first,
+    before every page read or written since; such pages keep their order
+    among themselves. Trusting those stamps would evict the pages used just
+    now before cold ones.
+    """
+    limit = now_ns + int(FUTURE_SLACK_S * 1e9)
+    return sorted(pages, key=lambda p: (p.stamp_ns <= limit, p.stamp_ns))
 
 
 # --- the engine's side: start, watch, stop ---------------------------------------

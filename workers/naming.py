@@ -7,11 +7,9 @@ Must not open files.
 """
 import hashlib
 import os
-import re
-import socket
 
 PAGE_SUFFIX = ".page"
-TMP_MARK = ".tmp."
+TMP_MARK = ".tmp."  # temp files: workers.tmpfiles
 # Where damaged page files go when `quarantine_bad_files` is on. Its name is not
 # two characters long, so the index scan never walks into it.
 QUARANTINE_DIR = "quarantine"
@@ -67,47 +65,7 @@ def digest_from_name(filename: str) -> bytes | None:
         return None
 
 
-def host_tag() -> str:
-    """This machine's name as it goes into temp file names (no dots, bounded).
-
-    A pid means something only on the host (and pid namespace) that issued
-    it: on a store shared between nodes or containers, a scan must not judge
-    another host's writer dead by looking up its pid here.
-    """
-    global _HOST_TAG
-    if _HOST_TAG is None:
-        _HOST_TAG = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
-    return _HOST_TAG
-
-
-_HOST_TAG = None
-
-
-def tmp_path(path: str, pid: int, serial: int) -> str:
-    """A writer's private temp name beside the final path (same directory, so
-    `os.replace` is atomic). It never ends in .page, so it is never a page.
-    Form: ``<page path>.tmp.<pid>.<host>.<serial>``."""
-    return f"{path}{TMP_MARK}{pid}.{host_tag()}.{serial}"
-
-
-def tmp_host(filename: str) -> str | None:
-    """The writer host of a temp file name; None for the host-less
-    ``.tmp.<pid>.<serial>`` form (docs/decisions.md 10)."""
-    i = filename.find(TMP_MARK)
-    parts = filename[i + len(TMP_MARK):].split(".") if i >= 0 else []
-    return parts[1] if len(parts) == 3 else None
-
-
-def quarantine_path(root: str, path: str, cause: str, pid: int, serial: int) -> str:
-    """Where a damaged page file is moved aside: it never ends in .page, and a
-    cause, pid and serial keep every moved file apart."""
-    return os.path.join(root, QUARANTINE_DIR, f"{os.path.basename(path)}.{cause}.{pid}.{serial}")
-
-
-def tmp_owner(filename: str) -> int | None:
-    """The writer pid of a temp file name, or None if it is not one."""
-    i = filename.find(TMP_MARK)
-    if i < 0:
-        return None
-    pid = filename[i + len(TMP_MARK):].split(".", 1)[0]
-    return int(pid) if pid.isdigit() else None
+def quarantine_name(name: str, cause: str, pid: int, serial: int) -> str:
+    """The name a damaged page file gets in QUARANTINE_DIR: it never ends in
+    .page, and a cause, pid and serial keep every moved file apart."""
+    return f"{name}.{cause}.{pid}.{serial}"

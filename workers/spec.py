@@ -24,6 +24,7 @@ class WorkerSpec:
     populate: bool
     verify_checksum: bool
     write_checksum: bool
+    require_checksum: bool
     fsync: str
     quarantine_bad_files: bool
     worker_batch: int

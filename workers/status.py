@@ -23,6 +23,7 @@ class Status(enum.IntEnum):
     BUSY = 12         # not submitted: every ring was full (backpressure)
     DROPPED = 13      # write not attempted, by choice under pressure: over the backup budget
                       # (errno 0) or over the store's capacity limits (errno ENOSPC)
+    UNVERIFIED = 14   # a page without a checksum, refused because require_checksum is on
 
     @property
     def label(self) -> str:
@@ -44,8 +45,9 @@ CANCELLED = Status.CANCELLED
 WORKER_DIED = Status.WORKER_DIED
 BUSY = Status.BUSY
 DROPPED = Status.DROPPED
+UNVERIFIED = Status.UNVERIFIED
 
 NAMES = {int(s): s.label for s in Status}
 
 # Statuses that mean "the file is not a usable page", counted as misses.
-READ_MISSES = (MISS, CORRUPT, FOREIGN, WRONG_KEY, UNREADABLE)
+READ_MISSES = (MISS, CORRUPT, FOREIGN, WRONG_KEY, UNREADABLE, UNVERIFIED)

@@ -1,9 +1,8 @@
-"""Store directories: creating the fan-out levels owner-only.
+"""Making a page file's fan-out directories owner-only, by path (the `file` baseline's way).
 
-Owns the page store's directory tree: creating the fan-out levels and walking
-them. `os.makedirs(mode=...)` applies
-the mode to the last level only, so each level is made explicitly. Must not
-touch page files.
+`os.makedirs(mode=...)` applies the mode to the last level only, so each
+level is made explicitly. Must not touch page files; the `mp` engine's
+workers make theirs through workers.filestore, relative to directory fds.
 """
 import os
 
@@ -24,14 +23,6 @@ def ensure_parent(path: str, root: str, mode: int = DIR_MODE) -> None:
             pass
 
 
-def fanout_dirs(root: str) -> list[str]:
-    """The second-level fan-out directories under `root` (where page files live)."""
-    return [sub for top in _two_char_dirs(root) for sub in _two_char_dirs(top)]
-
-
-def _two_char_dirs(path: str) -> list[str]:
-    try:
-        with os.scandir(path) as it:
-            return [e.path for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
-    except OSError:
-        return []
+def ensure_fanout(page_path: str, mode: int = DIR_MODE) -> None:
+    """Create a page file's two fan-out levels (its store root is three levels up)."""
+    ensure_parent(page_path, os.path.dirname(os.path.dirname(os.path.dirname(page_path))), mode)

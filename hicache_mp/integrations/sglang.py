@@ -61,7 +61,7 @@ import torch
 from shm import PageGeometry
 from workers import naming
 from workers import status as st
-from workers.storedir import fanout_dirs
+from workers.store import open_store
 
 from .. import config
 from ..config import EngineConfig, parse_value, setting, settings, sglang_keys, sglang_options
@@ -543,14 +543,9 @@ class HiCacheMP(HiCacheStorage):
         clears its directory). Other files are left alone."""
         root = self.storage_dir
         removed = 0
-        for sub in fanout_dirs(root):
-            for name in os.listdir(sub):
-                if naming.digest_from_name(name) is not None:
-                    try:
-                        os.unlink(os.path.join(sub, name))
-                        removed += 1
-                    except FileNotFoundError:
-                        pass
+        for part in open_store(root).parts():
+            for page in part.scan().pages:
+                removed += part.remove(page.digest)
         for eng in self._engines():
             eng.forget_all()
         log.info("hicache_mp: cleared %d pages from %s", removed, root)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 
 import numpy as np
@@ -41,6 +40,7 @@ import torch
 
 from shm import PageGeometry
 from workers import naming
+from workers.store import open_store
 from workers import status as st
 
 from ..engine import PrefetchEngine
@@ -108,10 +108,10 @@ class SidecarPool:
         eng = self.engine
         skeys = [self.key(k) for k in keys]
         out = eng.present(skeys)
-        found = []
+        found, store = [], open_store(eng.config.storage_dir)
         for i in np.flatnonzero(~out).tolist():
             d = naming.key_digest(skeys[i], eng.namespace)
-            if os.path.exists(naming.page_path(eng.config.storage_dir, d)):
+            if store.exists(d):
                 found.append(skeys[i])
                 out[i] = True
         if found:

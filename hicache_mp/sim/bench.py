@@ -21,7 +21,7 @@ import numpy as np
 
 from hicache_mp import EngineConfig, PageGeometry, make_engine
 from workers import naming
-from workers.evictor import scan
+from workers.store import open_store
 
 from .instant import InstantStore
 from .pagebytes import PageBytes
@@ -186,7 +186,7 @@ class Bench:
     def _check_disk(self, store: str) -> None:
         os.makedirs(store, mode=0o700, exist_ok=True)
         # A store kept from an earlier run (same --storage-dir) already holds its share.
-        need = max(0, self.store_bytes() - scan(store)[1])
+        need = max(0, self.store_bytes() - open_store(store).scan().total_bytes)
         free = shutil.disk_usage(store).free
         if need > free:
             per_req = need / len(self.requests)

@@ -11,7 +11,7 @@ import os
 import time
 
 import sharenode
-from workers import naming
+from workers import tmpfiles
 from faultkit import make, store_files
 
 
@@ -39,14 +39,16 @@ def test_two_engines_share_one_store(store):
 
 
 def test_scans_reap_only_temp_files_whose_writer_is_gone(store):
-    """A scan never removes a temp file another engine is still writing: on
-    this host it asks whether the pid lives; for another host (another node
-    of a shared filesystem, another container) pids mean nothing here, so it
-    waits until the file is an hour old."""
-    me, dead = naming.host_tag(), _dead_pid()
-    names = {"live": f"a.page.tmp.{os.getppid()}.{me}.1", "dead": f"b.page.tmp.{dead}.{me}.1",
-             "legacy_dead": f"c.page.tmp.{dead}.1",
-             "other_host": f"d.page.tmp.{dead}.node-b.1", "other_host_old": f"e.page.tmp.{dead}.node-b.2"}
+    """A scan never removes a temp file another engine is still writing: for a
+    writer of this pid namespace it asks whether the pid lives; for another
+    namespace or host (another container, another node of a shared
+    filesystem), and for names that carry no owner, pids mean nothing here,
+    so it waits until the file is an hour old."""
+    me, dead = tmpfiles.owner(), _dead_pid()
+    names = {"live": f"a.page.tmp.{os.getppid()}.{me}.t0.1", "dead": f"b.page.tmp.{dead}.{me}.t0.1",
+             "legacy_dead": f"c.page.tmp.{dead}.1", "legacy_host": f"f.page.tmp.{dead}.node-a.1",
+             "other_host": f"d.page.tmp.{dead}.nodeb-1234abcd-4026531836.t0.1",
+             "other_host_old": f"e.page.tmp.{dead}.nodeb-1234abcd-4026531836.t0.2"}
     leaf = os.path.join(store, "ab", "cd")
     os.makedirs(leaf)
     for name in names.values():
@@ -55,8 +57,8 @@ def test_scans_reap_only_temp_files_whose_writer_is_gone(store):
     os.utime(os.path.join(leaf, names["other_host_old"]), (two_hours_ago, two_hours_ago))
     with make(store, pages=4, workers=1) as e:
         left = set(os.listdir(leaf))
-        assert e.metrics()["stale_tmp_removed"] == 3
-    assert left == {names["live"], names["other_host"]}
+        assert e.metrics()["stale_tmp_removed"] == 2
+    assert left == {names["live"], names["other_host"], names["legacy_dead"], names["legacy_host"]}
 
 
 def _dead_pid() -> int:

@@ -14,10 +14,17 @@ import time
 from faultkit import MID, content, make, put, settle
 from workers import evictlease
 from workers.evictlease import LEASE_NAME
-from workers.evictor import headroom_bytes, scan
+from workers.evictor import headroom_bytes
+from workers.store import open_store
 
 FILE = 4096 + 65536  # one MID page file
 LIMIT = 64 * FILE
+
+
+def _scan(root):
+    """(pages, bytes of pages and temp files) of a store."""
+    found = open_store(root).scan()
+    return found.pages, found.total_bytes
 
 
 def _writer(eng, tag, rounds, errors):
@@ -41,7 +48,7 @@ def test_two_nodes_evictors_keep_the_shared_store_near_its_limit(nodes):
 
     def sample():
         while not stop.is_set():
-            samples.append(scan(nodes.a)[1])
+            samples.append(_scan(nodes.a)[1])
             time.sleep(0.005)
 
     cfg = dict(geo=MID, pages=16, workers=2, storage_max_bytes=LIMIT, eviction_interval_s=0.05)
@@ -59,7 +66,7 @@ def test_two_nodes_evictors_keep_the_shared_store_near_its_limit(nodes):
         last, deadline = None, time.monotonic() + 10
         while time.monotonic() < deadline:
             a.poll(), b.poll()
-            now = (a.metrics()["evicted_pages"], b.metrics()["evicted_pages"], scan(nodes.a)[1])
+            now = (a.metrics()["evicted_pages"], b.metrics()["evicted_pages"], _scan(nodes.a)[1])
             if now == last and now[2] <= LIMIT - h:
                 break
             last = now
@@ -69,8 +76,8 @@ def test_two_nodes_evictors_keep_the_shared_store_near_its_limit(nodes):
         evicted = a.metrics()["evicted_pages"], b.metrics()["evicted_pages"]
         written = sum(e.metrics()["write_pages_ok"] for e in (a, b))
     assert not errors, errors
-    on_disk = len(scan(nodes.a)[0])
-    final = scan(nodes.a)[1]
+    on_disk = len(_scan(nodes.a)[0])
+    final = _scan(nodes.a)[1]
     full = next(i for i, s in enumerate(samples) if s >= LIMIT - 2 * h)
     low = min(samples[full:])
     print(f"\ncapacity: limit {LIMIT // FILE} files, headroom {h // FILE}; lowest after full "
@@ -94,7 +101,7 @@ def _settled(engines, root, h, timeout_s=10.0):
     while time.monotonic() < deadline:
         for e in engines:
             e.poll()
-        now = (*(e.metrics()["evicted_pages"] for e in engines), scan(root)[1])
+        now = (*(e.metrics()["evicted_pages"] for e in engines), _scan(root)[1])
         if now == last and now[-1] <= LIMIT - h:
             return
         last = now
@@ -126,10 +133,10 @@ def test_an_evictor_waits_while_another_node_holds_the_lease(nodes):
         a._evictor.wake.post()
         time.sleep(1.0)  # twenty of A's passes
         a.poll()
-        assert a.metrics()["evicted_pages"] == 0 and len(scan(nodes.a)[0]) == 112
+        assert a.metrics()["evicted_pages"] == 0 and len(_scan(nodes.a)[0]) == 112
         held.release()
         _settled((a,), nodes.a, h)
-        assert a.metrics()["evicted_pages"] == 112 - len(scan(nodes.a)[0]) == 56
+        assert a.metrics()["evicted_pages"] == 112 - len(_scan(nodes.a)[0]) == 56
         # A holder that died: its lease is not refreshed; after LEASE_S it is broken.
         dead = evictlease.take(nodes.b)
         old = time.time() - evictlease.LEASE_S - 1

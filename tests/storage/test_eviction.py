@@ -10,7 +10,7 @@ from faultkit import backup, content, fingerprint, make, page_file, prefetch, pu
     wrong_pages
 from storagekit import ALIGNED, FILE_BYTES, cont, mount, need_root, stop_workers, store_bytes, \
     umount
-from workers import naming
+from workers import naming, tmpfiles
 
 
 def _allowed(e):
@@ -119,7 +119,7 @@ def test_write_over_max_bytes_is_dropped_with_a_status_never_stalled(store):
         # Bytes the evictor may not remove: a live writer's temp file (ours).
         d = os.path.join(store, "ab", "cd")
         os.makedirs(d, mode=0o700)
-        tmp = naming.tmp_path(os.path.join(d, "ab" * 32 + naming.PAGE_SUFFIX), os.getpid(), 1)
+        tmp = tmpfiles.tmp_name(os.path.join(d, "ab" * 32 + naming.PAGE_SUFFIX), 1)
         with open(tmp, "wb") as f:
             f.truncate(13 * FILE_BYTES)
         try:

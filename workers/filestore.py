@@ -1,0 +1,336 @@
+"""FileStore: pages as files in one directory tree.
+
+Owns every detail of a page on a POSIX filesystem: the fan-out tree
+(workers.naming), the page-file format (workers.pagefile), whole-file
+preadv/pwritev (workers.fileio), O_DIRECT, temp file + rename, the LRU stamp,
+moving damaged files aside, the scan and free space. Must not know about
+rings, ops or the pool: bytes go between iovecs and a file, and a status
+comes back.
+
+A read is: open the leaf directory, open the page file, one preadv (header
+and payload straight into the pool slot's iovecs, plus an overflow guard),
+check, close. A write is a pwritev into a private temp file
+(workers.tmpfiles) and os.replace over the final name, so readers see the
+old page or the new one, never a part.
+
+Nothing is ever reached through a symlink below the root: each fan-out level
+and the file itself are opened relative to the directory above with
+O_NOFOLLOW (O_DIRECTORY for the levels). A page file that is a symlink reads
+as UNREADABLE (ELOOP) with no byte of the target copied; a fan-out directory
+that is a symlink fails the I/O, so nothing is written outside the store.
+The root itself may be a symlink: the operator chose it.
+
+Fan-out directories are opened (and made, for a write) on every I/O, never
+remembered: after `rm -rf store/*`, or the store directory removed and made
+again, the next write makes its directories anew.
+
+The LRU stamp: after a good read the file's times are set to now
+(futimens on the open descriptor), at most once per TOUCH_INTERVAL_S per
+page and process: order at a coarse grain, not a metadata write per read.
+"""
+import errno
+import itertools
+import os
+import stat
+import time
+
+from workers import directio, naming, pagefile, status, tmpfiles
+from workers.fileio import preadv_full, pwritev_full
+from workers.store import Page, PageStore, Scan, StoreIO, free_bytes
+
+DIR_MODE = 0o700
+TOUCH_INTERVAL_S = 1.0
+_TOUCH_MEMORY = 1 << 16  # digests remembered for that rate limit, then forgotten
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_SUB_FLAGS = _DIR_FLAGS | os.O_NOFOLLOW
+
+# Damage that proves the file is not a usable page for anyone under this name.
+# UNREADABLE is left alone: a permission problem or a directory is an
+# operator's business, not proof of a bad page.
+_MOVE_ASIDE = (status.CORRUPT, status.FOREIGN, status.WRONG_KEY)
+
+# A read that finds its file gone after the open: another node removed or
+# replaced it (eviction, a newer version renamed over it). JuiceFS answers the
+# read with ENOENT or EBADF once the inode is deleted, NFS with ESTALE. The key
+# simply has no page right now: a miss, not an unreadable store.
+_GONE = (errno.ENOENT, errno.ESTALE, errno.EBADF)
+
+_WRITE_ERRNO = {
+    errno.ENOSPC: status.NOSPACE, errno.EDQUOT: status.NOSPACE, errno.EFBIG: status.NOSPACE,
+    errno.EACCES: status.DENIED, errno.EPERM: status.DENIED, errno.EROFS: status.DENIED,
+}
+
+
+class FileStore(PageStore):
+    def __init__(self, root: str, io: StoreIO | None = None):
+        self.root = root
+        self.roots = [root]
+        self.io = io or StoreIO()
+        self.open_flags = directio.O_DIRECT if self.io.direct else 0
+        self.file_bytes = pagefile.HEADER_SIZE + self.io.payload_len
+        self.touched: dict[bytes, float] = {}
+        self.serials = itertools.count(1)  # temp and quarantine names; thread-safe under the GIL
+
+    # --- directories ----------------------------------------------------------
+    def _leaf(self, h: str, create: bool) -> int:
+        """A descriptor of the page's fan-out directory (made if `create`)."""
+        top = os.open(self.root, _DIR_FLAGS)
+        try:
+            mid = _subdir(top, h[:2], create)
+            try:
+                return _subdir(mid, h[2:4], create)
+            finally:
+                os.close(mid)
+        finally:
+            os.close(top)
+
+    # --- reads ------------------------------------------------------------------
+    def read(self, digest: bytes, iovecs, bufs) -> tuple[int, int]:
+        h = digest.hex()
+        try:
+            leaf = self._leaf(h, create=False)
+        except FileNotFoundError:
+            return status.MISS, 0
+        except OSError as exc:
+            return status.UNREADABLE, exc.errno or 0
+        try:
+            name = h + naming.PAGE_SUFFIX
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | self.open_flags,
+                             dir_fd=leaf)
+            except FileNotFoundError:
+                return status.MISS, 0
+            except OSError as exc:
+                return (status.MISS if exc.errno == errno.ESTALE else status.UNREADABLE), exc.errno or 0
+            try:
+                want = self.file_bytes
+                try:
+                    got = preadv_full(fd, [bufs.header, *iovecs, bufs.overflow],
+                                      want + len(bufs.overflow), self.io.direct)
+                except OSError as exc:
+                    return (status.MISS if exc.errno in _GONE else status.UNREADABLE), exc.errno or 0
+                code = self._check(got, want, digest, iovecs, bufs.header)
+                if code in _MOVE_ASIDE and self.io.quarantine:
+                    self._move_aside(leaf, name, fd, code)  # while fd still names the file judged
+                elif code == status.OK:
+                    self._stamp(fd, digest)
+                return code, 0
+            finally:
+                os.close(fd)
+        finally:
+            os.close(leaf)
+
+    def _check(self, got: int, want: int, digest: bytes, iovecs, header) -> int:
+        if got < pagefile.HEADER_SIZE:
+            return status.CORRUPT
+        code, crc = pagefile.check_header(header, self.io.payload_len, self.io.geometry_fp, digest)
+        if code != status.OK:
+            return code
+        if got != want:  # truncated or longer than a page: never trust it
+            return status.CORRUPT
+        if crc is None:
+            # A reader that requires checksums cannot tell this page from a damaged
+            # one: refused, but not moved aside (it is good for other readers).
+            return status.UNVERIFIED if self.io.require_crc else status.OK
+        if (self.io.verify_crc or self.io.require_crc) and pagefile.payload_crc(iovecs) != crc:
+            return status.CORRUPT
+        return status.OK
+
+    def _stamp(self, fd: int, digest: bytes) -> None:
+        now = time.monotonic()
+        last = self.touched.get(digest)
+        if last is not None and now - last < TOUCH_INTERVAL_S:
+            return
+        if len(self.touched) >= _TOUCH_MEMORY:
+            self.touched.clear()
+        self.touched[digest] = now
+        try:
+            os.utime(fd)  # futimens(fd, NULL): the inode we read, even if renamed over since
+        except OSError:
+            pass  # read-only store or another owner: LRU falls back to write time
+
+    def _move_aside(self, leaf: int, name: str, fd: int, code: int) -> None:
+        """Best effort: rename a damaged page file into the quarantine directory.
+
+        Only if `name` still names the file that was read: another engine may
+        have replaced it with a good page since (a narrow race remains; losing
+        it costs one later miss, never wrong bytes).
+        """
+        try:
+            seen = os.fstat(fd)
+            now = os.stat(name, dir_fd=leaf, follow_symlinks=False)
+            if (seen.st_dev, seen.st_ino) != (now.st_dev, now.st_ino):
+                return
+            top = os.open(self.root, _DIR_FLAGS)
+            try:
+                qdir = _subdir(top, naming.QUARANTINE_DIR, create=True)
+            finally:
+                os.close(top)
+            try:
+                moved = naming.quarantine_name(name, status.NAMES[code], os.getpid(),
+                                               next(self.serials))
+                os.rename(name, moved, src_dir_fd=leaf, dst_dir_fd=qdir)
+            finally:
+                os.close(qdir)
+        except OSError:
+            pass  # the read is a miss either way
+
+    # --- writes -----------------------------------------------------------------
+    def write(self, digest: bytes, iovecs, bufs) -> tuple[int, int]:
+        crc = pagefile.payload_crc(iovecs) if (self.io.write_crc or self.io.require_crc) else None
+        bufs.write_header[:] = pagefile.build_header(self.io.payload_len, self.io.geometry_fp,
+                                                     digest, crc)
+        try:
+            try:
+                self._write_file(digest.hex(), iovecs, bufs)
+            except FileNotFoundError:
+                # The tree was removed between making the leaf and the rename
+                # (an operator emptying the store): once more, from the root.
+                self._write_file(digest.hex(), iovecs, bufs)
+            return status.OK, 0
+        except OSError as exc:
+            return _WRITE_ERRNO.get(exc.errno, status.IOERROR), exc.errno or 0
+
+    def _write_file(self, h: str, iovecs, bufs) -> None:
+        name = h + naming.PAGE_SUFFIX
+        tmp = tmpfiles.tmp_name(name, next(self.serials))
+        leaf = self._leaf(h, create=True)
+        fd = -1
+        try:
+            # With O_DIRECT every run is a whole number of 4096-byte blocks
+            # (directio.geometry_aligned), so the file length is too.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+                         | self.open_flags, 0o600, dir_fd=leaf)
+            pwritev_full(fd, [bufs.write_header, *iovecs], self.io.direct)
+            if self.io.fsync == "data":
+                os.fdatasync(fd)
+            elif self.io.fsync == "always":
+                os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, name, src_dir_fd=leaf, dst_dir_fd=leaf)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            try:
+                os.unlink(tmp, dir_fd=leaf)
+            except OSError:
+                pass
+            raise
+        finally:
+            os.close(leaf)
+
+    # --- the rest of the interface ---------------------------------------------
+    def remove(self, digest: bytes) -> bool:
+        h = digest.hex()
+        try:
+            leaf = self._leaf(h, create=False)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        try:
+            os.unlink(h + naming.PAGE_SUFFIX, dir_fd=leaf)
+            return True
+        except FileNotFoundError:
+            return True  # another engine removed it: gone either way
+        except OSError:
+            return False
+        finally:
+            os.close(leaf)
+
+    def touch(self, digest: bytes) -> None:
+        h = digest.hex()
+        try:
+            leaf = self._leaf(h, create=False)
+        except OSError:
+            return
+        try:
+            os.utime(h + naming.PAGE_SUFFIX, dir_fd=leaf, follow_symlinks=False)
+        except OSError:
+            pass
+        finally:
+            os.close(leaf)
+
+    def exists(self, digest: bytes) -> bool:
+        h = digest.hex()
+        try:
+            leaf = self._leaf(h, create=False)
+        except OSError:
+            return False
+        try:
+            st = os.stat(h + naming.PAGE_SUFFIX, dir_fd=leaf, follow_symlinks=False)
+            # A regular file of a page's size (when this store knows the size).
+            return stat.S_ISREG(st.st_mode) and \
+                (not self.io.payload_len or st.st_size == self.file_bytes)
+        except OSError:
+            return False
+        finally:
+            os.close(leaf)
+
+    def path(self, digest: bytes) -> str:
+        """The page file's path (for tools and tests; I/O goes through the calls above)."""
+        return naming.page_path(self.root, digest)
+
+    def scan(self, reap_tmp: bool = False) -> Scan:
+        """Every page file (regular files only) and the bytes of pages and temp
+        files; with `reap_tmp`, temp files of dead writers are removed
+        (workers.tmpfiles says which)."""
+        pages, total, reaped = [], 0, 0
+        now = time.time()
+        for sub in fanout_dirs(self.root):
+            try:
+                it = os.scandir(sub)
+            except OSError:
+                continue
+            with it:
+                for entry in it:
+                    digest = naming.digest_from_name(entry.name)
+                    if digest is None and not tmpfiles.is_tmp(entry.name):
+                        continue
+                    try:
+                        if not entry.is_file(follow_symlinks=False):
+                            continue
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue  # removed under us
+                    if digest is not None:
+                        pages.append(Page(st.st_mtime_ns, st.st_size, digest))
+                    elif reap_tmp and tmpfiles.stale(entry.name, st.st_mtime, now):
+                        try:
+                            os.unlink(entry.path)
+                            reaped += 1
+                            continue
+                        except OSError:
+                            pass
+                    total += st.st_size
+        return Scan(pages, total, reaped)
+
+    def free_bytes(self, digest: bytes | None = None) -> int | None:
+        return free_bytes(self.root)
+
+
+def _subdir(parent: int, name: str, create: bool) -> int:
+    try:
+        return os.open(name, _SUB_FLAGS, dir_fd=parent)
+    except FileNotFoundError:
+        if not create:
+            raise
+    try:
+        os.mkdir(name, DIR_MODE, dir_fd=parent)
+    except FileExistsError:
+        pass
+    return os.open(name, _SUB_FLAGS, dir_fd=parent)
+
+
+def fanout_dirs(root: str) -> list[str]:
+    """The second-level fan-out directories under `root` (where page files live)."""
+    return [sub for top in _two_char_dirs(root) for sub in _two_char_dirs(top)]
+
+
+def _two_char_dirs(path: str) -> list[str]:
+    try:
+        with os.scandir(path) as it:
+            return [e.path for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []

@@ -1,0 +1,133 @@
+"""The page-store seam: what a worker, the evictor, the index and clear() may ask of a store.
+
+Owns the interface (`PageStore`), the settings a store's I/O follows
+(`StoreIO`), the free-space helper, and `open_store`, the one factory that
+turns a `storage_dir` spec into a store. Must not know about rings, ops, the
+pool layout or torch: a store moves one page between iovecs and its medium
+and says how that went, as a status code (workers.status).
+
+The calls, all synchronous and safe from several threads of one process:
+
+    read(digest, iovecs, bufs)   -> (status, errno)   bytes of the page into iovecs
+    write(digest, iovecs, bufs)  -> (status, errno)   the page from iovecs, atomically
+    remove(digest) -> bool                            True: the page is gone (or was)
+    touch(digest)                                     mark it just used (LRU)
+    exists(digest) -> bool                            one lookup, no walk
+    scan(reap_tmp=False) -> Scan                      every page: digest, size, last access
+    free_bytes(digest=None) -> int | None             room left where that page goes
+    parts() -> [PageStore]                            the independently full/failing pieces
+    roots                                             directories the store lives in
+
+`bufs` carries the per-thread scratch the file format needs (`header`,
+`overflow`, `write_header`: workers.lanes.Lane). An asynchronous store
+(io_uring) would add a submit/reap pair beside read/write; the worker's
+`serve` is already split into a start and a completion half for it.
+
+Registration: `register(matches, factory)`; the first factory whose
+`matches(spec)` is true builds the store (`FileStore` for a directory is the
+fallback). Striping over several directories is one such line.
+"""
+import os
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+
+@dataclass(frozen=True)
+class StoreIO:
+    """How a store reads and writes pages for one engine (set by the engine)."""
+    payload_len: int = 0
+    geometry_fp: bytes = b""
+    direct: bool = False
+    fsync: str = "none"
+    write_crc: bool = False
+    verify_crc: bool = True
+    require_crc: bool = False
+    quarantine: bool = False
+
+
+class Page(NamedTuple):
+    stamp_ns: int   # last access (mtime, stamped after each read) in ns since the epoch
+    size: int
+    digest: bytes
+
+
+class Scan(NamedTuple):
+    pages: list          # [Page]
+    total_bytes: int     # page files and temp files: what the store holds
+    stale_removed: int   # temp files of dead writers removed (reap_tmp)
+
+
+class PageStore:
+    roots: list
+
+    def read(self, digest: bytes, iovecs, bufs) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def write(self, digest: bytes, iovecs, bufs) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def remove(self, digest: bytes) -> bool:
+        raise NotImplementedError
+
+    def touch(self, digest: bytes) -> None:
+        raise NotImplementedError
+
+    def exists(self, digest: bytes) -> bool:
+        raise NotImplementedError
+
+    def scan(self, reap_tmp: bool = False) -> Scan:
+        raise NotImplementedError
+
+    def free_bytes(self, digest: bytes | None = None) -> int | None:
+        raise NotImplementedError
+
+    def parts(self) -> list:
+        return [self]
+
+    def create(self) -> None:
+        """Make the store's directories (owner-only) if they are missing."""
+        for root in self.roots:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+
+
+def free_bytes(path: str) -> int | None:
+    """Bytes an unprivileged writer may still use on `path`'s filesystem; None if unknown."""
+    try:
+        vfs = os.statvfs(path)
+    except OSError:
+        return None
+    return vfs.f_bavail * vfs.f_frsize
+
+
+def split_spec(spec: str) -> list[str]:
+    """The directories a `storage_dir` spec names: one, or a comma-separated list."""
+    parts = [p.strip() for p in str(spec).split(",")]
+    if not all(parts):
+        raise ValueError(f"storage_dir {spec!r} has an empty entry")
+    return parts
+
+
+def normalize_spec(spec: str) -> str:
+    """The spec with each directory absolute and expanded; ValueError for a bad list."""
+    dirs = [os.path.abspath(os.path.expanduser(p)) for p in split_spec(spec)]
+    if len(set(dirs)) != len(dirs):
+        raise ValueError(f"storage_dir {spec!r} names a directory twice")
+    return ",".join(dirs)
+
+
+_FACTORIES: list[tuple[Callable[[str], bool], Callable]] = []
+
+
+def register(matches: Callable[[str], bool], factory: Callable) -> None:
+    _FACTORIES.append((matches, factory))
+
+
+def open_store(spec: str, io: StoreIO | None = None) -> PageStore:
+    """The store a `storage_dir` spec names, doing I/O as `io` says."""
+    from workers import stores  # noqa: F401  (the registrations)
+    from workers.filestore import FileStore
+    io = io or StoreIO()
+    for matches, factory in _FACTORIES:
+        if matches(spec):
+            return factory(spec, io)
+    return FileStore(spec, io)
