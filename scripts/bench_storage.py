@@ -203,10 +203,16 @@ def raw_dd(directory: str, block: int, blocks: int, streams: int, write: bool) -
 
 
 # --- the engine --------------------------------------------------------------------
+def store_spec(store: str, stripes: int) -> str:
+    """The engine's storage_dir: `store` itself, or `stripes` directories under it
+    (a striped store, workers.stripestore, here all on one device)."""
+    return store if stripes == 1 else ",".join(os.path.join(store, f"s{i}") for i in range(stripes))
+
+
 def make_engine(args, store: str, geometry: PageGeometry, workers: int,
-                depth: int = 0) -> PrefetchEngine:
+                depth: int = 0, stripes: int = 1) -> PrefetchEngine:
     return PrefetchEngine(EngineConfig(
-        storage_dir=store, num_workers=workers, host_pool_pages=args.pool_pages,
+        storage_dir=store_spec(store, stripes), num_workers=workers, host_pool_pages=args.pool_pages,
         direct_io=args.direct_io, fsync=args.fsync, io_depth=depth,
         model_name="bench_storage"), geometry)
 
@@ -333,6 +339,9 @@ def parse_args(argv=None):
                         "thread ceilings use O_DIRECT exactly when the engine does, dd always does")
     p.add_argument("--fsync", choices=FSYNC_MODES, default="none",
                    help="the engine's --hicache-mp-fsync for write-through")
+    p.add_argument("--stripes", type=int, nargs="+", default=[1], metavar="N",
+                   help="also run each sweep point with the store striped over N directories "
+                        "(here on one device: the striping store's cost against 1)")
     p.add_argument("--no-mixed", action="store_true", help="skip the mixed read+write run")
     p.add_argument("--quick", action="store_true",
                    help="a small run for any machine (256 KiB pages, 64 MiB, workers 1 2): "
@@ -348,6 +357,8 @@ def parse_args(argv=None):
     args.io_depth = args.io_depth or [1, 2, 4]
     if min(args.io_depth) < 1:
         p.error("--io-depth values must be >= 1")
+    if min(args.stripes) < 1:
+        p.error("--stripes values must be >= 1")
     args.total_gib = args.total_gib or 12.0
     if args.workers is None:
         import psutil
@@ -384,18 +395,26 @@ def sweep_mode(args, mode, geometry, base, npages, raw_write_dd, raw_read_dd, me
         read_keys = [f"page-{i}" for i in range(npages)]
         for w in args.workers:
             for d in args.io_depth:
-                shutil.rmtree(store, ignore_errors=True)
-                with make_engine(args, store, geometry, w, d) as eng:
-                    fill_pool(eng)
-                    slots = list(range(args.pool_pages))
-                    wg, wc = run_ops(eng, "backup", read_keys, slots)
-                    drop_cache(page_files(store))
-                    rg, rc = run_ops(eng, "prefetch", read_keys, slots)
-                sweep.append({"workers": w, "io_depth": d, "write_gbps": wg, "write_statuses": wc,
-                              "read_gbps": rg, "read_statuses": rc})
-                log(f"{tag} mp {w:3d} workers x depth {d}: write {wg:6.2f} GB/s {wc}   "
-                    f"cold read {rg:6.2f} GB/s {rc}")
+                for n in args.stripes:
+                    shutil.rmtree(store, ignore_errors=True)
+                    with make_engine(args, store, geometry, w, d, n) as eng:
+                        fill_pool(eng)
+                        slots = list(range(args.pool_pages))
+                        wg, wc = run_ops(eng, "backup", read_keys, slots)
+                        drop_cache(page_files(store))
+                        rg, rc = run_ops(eng, "prefetch", read_keys, slots)
+                    sweep.append({"workers": w, "io_depth": d, "stripes": n, "write_gbps": wg,
+                                  "write_statuses": wc, "read_gbps": rg, "read_statuses": rc})
+                    log(f"{tag} mp {w:3d} workers x depth {d}, {n} dir(s): write {wg:6.2f} GB/s "
+                        f"{wc}   cold read {rg:6.2f} GB/s {rc}")
         out["sweep"] = sweep
+        if len(args.stripes) > 1:
+            out["stripes"] = _stripe_ratios(sweep, args.stripes, tag)
+        if args.stripes[-1] != 1:  # the raw read ceiling and the mixed run use one directory
+            shutil.rmtree(store, ignore_errors=True)
+            with make_engine(args, store, geometry, max(args.workers), 1) as eng:
+                fill_pool(eng)
+                run_ops(eng, "backup", read_keys, list(range(args.pool_pages)))
         files = page_files(store)
         out["raw_read"] = {"dd": raw_read_dd,
                            **raw_ceilings(files, file_bytes, threads, False, direct, tag)}
@@ -418,10 +437,11 @@ def sweep_mode(args, mode, geometry, base, npages, raw_write_dd, raw_read_dd, me
         "mixed_read_over_read_only": out.get("mixed", {}).get("ratio"),
         "raw_read_gbps": raw_read, "raw_write_gbps": raw_write}
     log("")
-    log(f"{tag} {'workers':>8} {'depth':>6} {'write GB/s':>11} {'write/raw':>10} {'read GB/s':>10} "
-        f"{'read/raw':>9}")
+    log(f"{tag} {'workers':>8} {'depth':>6} {'dirs':>5} {'write GB/s':>11} {'write/raw':>10} "
+        f"{'read GB/s':>10} {'read/raw':>9}")
     for row in sweep:
-        log(f"{tag} {row['workers']:>8} {row['io_depth']:>6} {row['write_gbps']:>11.2f} "
+        log(f"{tag} {row['workers']:>8} {row['io_depth']:>6} {row['stripes']:>5} "
+            f"{row['write_gbps']:>11.2f} "
             f"{row['write_gbps'] / raw_write:>10.2f} {row['read_gbps']:>10.2f} "
             f"{row['read_gbps'] / raw_read:>9.2f}")
     log(f"{tag} raw ceilings (best of dd, threads and processes): read {raw_read:.2f} GB/s, "
@@ -436,6 +456,26 @@ def sweep_mode(args, mode, geometry, base, npages, raw_write_dd, raw_read_dd, me
         log(f"{tag} mixed: read GB/s with writes / read-only: "
             f"{r['mixed_read_over_read_only']:.2f}  (target >= 0.80)")
     log("")
+    return out
+
+
+def _stripe_ratios(sweep: list, stripes: list, tag: str) -> dict:
+    """GB/s over N directories / GB/s over one, per (workers, depth), and the
+    geometric mean: on one device the difference is the seam's cost."""
+    import math
+    one = {(r["workers"], r["io_depth"]): r for r in sweep if r["stripes"] == 1}
+    out = {}
+    for n in stripes:
+        if n == 1:
+            continue
+        rows = [(one[(r["workers"], r["io_depth"])], r) for r in sweep
+                if r["stripes"] == n and (r["workers"], r["io_depth"]) in one]
+        ratio = {k: math.exp(sum(math.log(b[f"{k}_gbps"] / a[f"{k}_gbps"]) for a, b in rows
+                                 if a[f"{k}_gbps"] and b[f"{k}_gbps"]) / max(1, len(rows)))
+                 for k in ("read", "write")}
+        out[str(n)] = ratio
+        log(f"{tag} {n} directories on this device / 1 (geometric mean over the sweep): "
+            f"read {ratio['read']:.3f}, write {ratio['write']:.3f}  (target >= 0.97)")
     return out
 
 
