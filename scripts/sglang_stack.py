@@ -127,7 +127,7 @@ class Stack:
     """A real host pool and controller on one backend; pages of random bytes
     in `src` slots are the truth every read is checked against."""
 
-    def __init__(self, sgl, backend: str, args, store: str):
+    def __init__(self, sgl, backend: str, args, store: str, *, tp_rank=0, tp_size=1):
         self.sgl, self.name, self.args = sgl, backend, args
         self.P = args.page_size
         self.pages = args.file_round_pages if backend == "file" else args.round_pages
@@ -143,7 +143,8 @@ class Stack:
             kind, extra = "dynamic", R.nobytes_extra()
         else:
             raise ValueError(f"unknown backend {backend!r} (mp, file, nobytes)")
-        self.ctl = R.controller(sgl, self.hp, backend=kind, extra=extra)
+        self.ctl = R.controller(sgl, self.hp, backend=kind, extra=extra, tp_rank=tp_rank,
+                                tp_size=tp_size)
         self.calls = _count_calls(self.ctl)
         self.src = self.hp.alloc(self.pages * self.P)
         self.extra_src = self.hp.alloc(self.pages * self.P)

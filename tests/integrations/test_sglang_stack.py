@@ -22,7 +22,7 @@ except ImportError as exc:
 import sglang_stack  # noqa: E402
 
 SMALL = ["--round-mib", "2", "--page-mib", "0.125", "--layers", "2", "--heads", "4",
-         "--head-dim", "64", "--workers", "1", "--timeout-s", "60"]
+         "--head-dim", "64", "--timeout-s", "60"]
 
 
 def test_real_stack_moves_exact_bytes(tmp_path):
@@ -78,3 +78,16 @@ def test_tp_ranks_share_the_node_budget(tmp_path, monkeypatch):
             os.close(fd)
         hp.allocator.fds = []
     assert not os.path.exists(node)
+
+
+def test_ranks_in_separate_processes_split_the_node(monkeypatch):
+    """scripts/sglang_ranks.py: a lone rank, then two concurrent ranks, each
+    its own process with SGLang's controller; on a node of 6 cores the two
+    take 2 workers each (6 - 2 schedulers, halved), every page exact."""
+    import sglang_ranks
+    monkeypatch.setenv("HICACHE_MP_NODE_CORES", "6")
+    res = sglang_ranks.main(["--ranks", "2", *SMALL, "--runs", "1"])
+    assert res["lone"]["workers"] == 5
+    assert [r["workers"] for r in res["together"]] == [2, 2]
+    assert res["check"]["within_cores"] and res["check"]["wrong_pages"] == 0
+    assert res["check"]["checked_pages"] > 0

@@ -1,0 +1,138 @@
+"""Several ranks on one node through SGLang's real stack, concurrently.
+
+Each rank is its own process, as SGLang runs them: its own GPU (when there
+are GPUs), host pool on the "shm" allocator, HiCacheController and hicache_mp
+engine with `auto` workers (so the ranks split the node's worker budget,
+decision 42), and a pure-Python busy scheduler. First one rank alone, then
+all ranks together, started behind a barrier so their rounds overlap. MHA
+ranks keep their own pages (TP-suffixed keys). Reports per rank: workers,
+median round time and GB/s, the busy loop's it/s, wrong pages; and the
+checks of issue 13: workers + schedulers <= cores, each loop rate against
+the lone rank's, aggregate GB/s against the lone rank's.
+
+    PYTHONPATH=. python3 scripts/sglang_ranks.py --ranks 2 --round-mib 2048 --page-mib 8 \\
+        --runs 5 --json $OUT/ranks.json
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import sglang_stack as S  # noqa: E402
+
+
+def rank_main(argv) -> None:
+    """One rank: set up, say "ready", wait for "go" on stdin, run, print JSON."""
+    rank, ranks, store = int(argv[0]), int(argv[1]), argv[2]
+    args = S.parse(argv[3:])
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    sgl = S.R.import_stack()
+    s = S.Stack(sgl, "mp", args, store, tp_rank=rank, tp_size=ranks)
+    try:
+        S.backup(s.ctl, s.src, s.tokens, s.hashes, S.Scheduler(False), args.timeout_s)
+        s.read(S.Scheduler(False))  # warm
+        print("ready", flush=True)
+        sys.stdin.readline()
+        times, rates = [], []
+        t0 = time.perf_counter()
+        for _ in range(args.runs):
+            sched = S.Scheduler(True)
+            t, done = s.read(sched)
+            times.append(t)
+            rates.append(sched.rate())
+        span = time.perf_counter() - t0
+        gb = s.pages * s.hp.get_size_per_token() * s.P / 1e9
+        be = s.ctl.storage_backend
+        out = {"rank": rank, "workers": getattr(be, "_backend", be).engine.metrics()["workers"],
+               "round_s": statistics.median(times), "gbps": gb / statistics.median(times),
+               "gb_total": gb * args.runs, "span_s": span, "loop_rate": statistics.median(rates),
+               "wrong_pages": s.wrong_pages, "checked_pages": s.checked_pages}
+    finally:
+        s.close()
+    print(json.dumps(out), flush=True)
+
+
+def run_ranks(n: int, store: str, rest: list[str]) -> list[dict]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.dirname(HERE) + os.pathsep + env.get("PYTHONPATH", "")
+    procs = [subprocess.Popen([sys.executable, __file__, "--rank-child", str(i), str(n), store,
+                               *rest], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=env) for i in range(n)]
+    try:
+        for p in procs:
+            while True:
+                line = p.stdout.readline()
+                if not line:
+                    raise RuntimeError("a rank failed before it was ready")
+                if line.strip() == "ready":
+                    break
+        for p in procs:  # the barrier: every rank set up, then all go
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        out = []
+        for p in procs:
+            last = None
+            for line in p.stdout:
+                if line.startswith("{"):
+                    last = json.loads(line)
+            out.append(last)
+        return out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def main(argv=None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ranks_at = argv.index("--ranks") if "--ranks" in argv else None
+    n = int(argv.pop(ranks_at + 1)) if ranks_at is not None else 2
+    if ranks_at is not None:
+        argv.pop(ranks_at)
+    json_out = None
+    if "--json" in argv:
+        i = argv.index("--json")
+        json_out = argv[i + 1]
+        del argv[i:i + 2]
+    S.parse(argv)  # bad arguments fail here, before any rank starts
+    import psutil
+    cores = int(os.environ.get("HICACHE_MP_NODE_CORES") or psutil.cpu_count(logical=False) or 1)
+    res = {"cores": cores, "ranks": n}
+    with tempfile.TemporaryDirectory(prefix="hicache_mp-ranks-") as root:
+        res["lone"] = run_ranks(1, os.path.join(root, "lone"), argv)[0]
+        res["together"] = run_ranks(n, os.path.join(root, "together"), argv)
+    lone, tog = res["lone"], res["together"]
+    # concurrent ranks: aggregate = all bytes over the longest rank's span
+    agg = sum(r["gb_total"] for r in tog) / max(r["span_s"] for r in tog)
+    res["check"] = {
+        "workers_plus_schedulers": sum(r["workers"] for r in tog) + n,
+        "within_cores": sum(r["workers"] for r in tog) + n <= cores,
+        "loop_rate_over_lone": [r["loop_rate"] / lone["loop_rate"] for r in tog],
+        "aggregate_gbps": agg, "lone_gbps": lone["gb_total"] / lone["span_s"],
+        "aggregate_over_lone": agg / (lone["gb_total"] / lone["span_s"]),
+        "wrong_pages": sum(r["wrong_pages"] for r in tog) + lone["wrong_pages"],
+        "checked_pages": sum(r["checked_pages"] for r in tog) + lone["checked_pages"],
+    }
+    print(json.dumps(res["check"], indent=1), flush=True)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--rank-child":
+        rank_main(sys.argv[2:])
+    else:
+        main()
