@@ -100,6 +100,7 @@ class PrefetchEngine(EngineCore):
         self._evictor = None
         self._fences: list = []     # (killed stuck worker, host slots held until it is reaped)
         self._stuck_workers = 0
+        self._wakeups = [0, 0]  # waits ended by a worker's post, by the 5 ms cap
         self._stalled_pages = 0
         self.shared_pool = pool_fd is not None
         self.direct_io, self.direct_io_reason = directio.resolve(
@@ -498,11 +499,17 @@ class PrefetchEngine(EngineCore):
             # Re-check after announcing ourselves: a completion pushed before the
             # announcement posted nothing. The short cap covers the remaining race.
             drained = self._drain()
+        posted = False
         try:
             if not drained:
-                self.done_sem.wait(min(timeout_s, 0.005))
+                # Each sleep gives the GIL up and takes it back on waking: counted
+                # (posted wake-ups and 5 ms cap expiries) so the GIL cost of a
+                # batch can be measured (scripts/sglang_stack.py prints it).
+                posted = self.done_sem.wait(min(timeout_s, 0.005))
         finally:
             with self._lock:
+                if not drained:
+                    self._wakeups[0 if posted else 1] += 1
                 self._control.words[WAITERS] -= 1
 
     def _shutdown_io(self) -> None:
@@ -540,6 +547,7 @@ class PrefetchEngine(EngineCore):
         return {
             "worker_busy": [round(int(s[BUSY_NS]) / 1e9 / wall, 4) if wall else 0.0 for s in stats],
             "worker_pages": [int(s[PAGES]) for s in stats],
+            "wait_wakeups_posted": self._wakeups[0], "wait_wakeups_timeout": self._wakeups[1],
             "worker_bytes": [int(s[BYTES]) for s in stats],
             "ring_depth": [0 if h.rings_closed else h.submit.depth() + h.write.depth()
                            for h in self._pool.workers] if self._pool else [],

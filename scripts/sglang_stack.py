@@ -196,6 +196,16 @@ class Stack:
         self.hp.kv_buffer = None
 
 
+def _wakeups(s: Stack):
+    """(posted, timed out) sleeps of hicache_mp's engine so far; None for others."""
+    be = s.ctl.storage_backend
+    eng = getattr(getattr(be, "_backend", be), "engine", None)
+    if eng is None:
+        return None
+    m = eng.metrics()
+    return m.get("wait_wakeups_posted", 0), m.get("wait_wakeups_timeout", 0)
+
+
 def _count_calls(ctl) -> dict:
     """Counts the backend calls SGLang's threads make (batch_get_v1 etc.)."""
     counts = {"batch_exists": 0, "batch_get_v1": 0, "batch_set_v1": 0, "batch_get": 0,
@@ -228,6 +238,7 @@ def run_backend(sgl, backend, args, root) -> dict:
         out["write_s"], out["write_gbps"] = t, gb / t
         out["write_ok"] = done == len(s.tokens)
         s.read(Scheduler(False))  # warm: first round pays the index/page cache
+        w0, c0 = _wakeups(s), s.calls["batch_get_v1"]
         modes = {"idle": [], "busy": []}
         rates = []
         if args.switch_interval_ms:
@@ -254,6 +265,11 @@ def run_backend(sgl, backend, args, root) -> dict:
             out[f"{mode}_s"] = ts
             out[f"{mode}_median_s"] = median(ts)
             out[f"{mode}_gbps"] = gb / median(ts)
+        w1, calls = _wakeups(s), s.calls["batch_get_v1"] - c0
+        if w0 is not None and calls:
+            # the engine's sleeps per batch: each gives up and takes back the GIL
+            out["wakeups_per_batch_get"] = {"posted": (w1[0] - w0[0]) / calls,
+                                            "timeout_5ms": (w1[1] - w0[1]) / calls}
         out["busy_over_idle"] = out["busy_median_s"] and out["idle_median_s"] / out["busy_median_s"]
         out["loop_rate_busy"] = median(rates)
         if "loop_rate_switch" in out:

@@ -40,6 +40,9 @@ def test_real_stack_moves_exact_bytes(tmp_path):
     assert b["mp"]["calls"]["batch_get_v1"] > 0 and b["mp"]["calls"]["batch_get"] == 0
     assert b["file"]["calls"]["batch_get"] > 0 and b["file"]["calls"]["batch_get_v1"] == 0
     assert res["summary"]["wrong_pages"] == 0
+    # the engine's sleeps per batch (GIL hand-backs) are measured and printed
+    w = b["mp"]["wakeups_per_batch_get"]
+    assert w["posted"] >= 0 and w["timeout_5ms"] >= 0 and "wakeups_per_batch_get" not in b["file"]
     assert (tmp_path / "r.json").stat().st_size > 0
     assert not list(tmp_path.glob("hicache_mp-stack-*")), "the stores are removed"
 
@@ -80,12 +83,13 @@ def test_tp_ranks_share_the_node_budget(tmp_path, monkeypatch):
     assert not os.path.exists(node)
 
 
-def test_ranks_in_separate_processes_split_the_node(monkeypatch):
+def test_ranks_in_separate_processes_split_the_node(tmp_path, monkeypatch):
     """scripts/sglang_ranks.py: a lone rank, then two concurrent ranks, each
     its own process with SGLang's controller; on a node of 6 cores the two
     take 2 workers each (6 - 2 schedulers, halved), every page exact."""
     import sglang_ranks
     monkeypatch.setenv("HICACHE_MP_NODE_CORES", "6")
+    monkeypatch.setenv("HICACHE_MP_NODE_DIR", str(tmp_path / "node"))  # this test's node only
     res = sglang_ranks.main(["--ranks", "2", *SMALL, "--runs", "1"])
     assert res["lone"]["workers"] == 5
     assert [r["workers"] for r in res["together"]] == [2, 2]
