@@ -8,14 +8,12 @@ owner is this process, one of its descendants, or dead, is ours.
 """
 import json
 import os
-import sys
 import tempfile
 import time
 
 import psutil
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from shm.names import list_ours, owner_pid  # noqa: E402
 

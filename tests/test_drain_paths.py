@@ -13,7 +13,6 @@ import pytest
 
 import hicache_mp.engine as engine_mod
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults"))
 from faultkit import MID, content, fingerprint, get, make, page_file, put  # noqa: E402
 
 

@@ -2,7 +2,6 @@
 (HiCacheFile: raw pages, no header, host-layout byte order) converts, and
 HiCacheMP then reads every page back byte for byte."""
 import os
-import sys
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ except ImportError as exc:  # noqa: F841
     pytest.skip(f"SGLang is not importable ({exc}); install it with "
                 f"`pip install --no-deps -r .ci/sglang-requirements.txt`", allow_module_level=True)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sglang_pool import CpuMHAHostPool  # noqa: E402
 from test_sglang import fill_random, logical, storage_config  # noqa: E402
 

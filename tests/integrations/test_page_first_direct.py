@@ -1,12 +1,9 @@
 """The page_first_direct geometry (SGLang's zero-copy layout): runs, views and
 files agree with the other layouts. Needs no SGLang."""
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helpers import engine, fill, geometry, random_pages, read_back  # noqa: E402
 
 from shm import new_owner_tag  # noqa: E402

@@ -21,7 +21,6 @@ except ImportError as exc:  # noqa: F841
     pytest.skip(f"SGLang is not importable ({exc}); install it with "
                 f"`pip install --no-deps -r .ci/sglang-requirements.txt`", allow_module_level=True)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sglang_pool import CpuMHAHostPool  # noqa: E402
 
 from hicache_mp.integrations.sglang import HiCacheMP  # noqa: E402

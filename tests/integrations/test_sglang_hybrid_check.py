@@ -1,12 +1,9 @@
 """scripts/sglang_hybrid_check.py on a tiny geometry: SGLang's real KV and Mamba
 host pools, mp and file, idle and busy; every hit complete, every page exact."""
 import os
-import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "scripts"))
 import sglang_real_hybrid  # noqa: E402
 
 try:

@@ -4,12 +4,9 @@ with its own prefetch/backup threads, the backend made by SGLang's
 `StorageBackendFactory` (and wrapped by its `HiCacheStorageFailureInjector`),
 driven by scripts/sglang_stack.py as SGLang's scheduler drives it."""
 import os
-import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "scripts"))
 
 import sglang_real  # noqa: E402
 

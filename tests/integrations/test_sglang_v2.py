@@ -9,7 +9,6 @@ why SGLang's own cannot be built on this CPU machine).
 import glob
 import os
 import shutil
-import sys
 
 import pytest
 import torch
@@ -23,7 +22,6 @@ except ImportError as exc:  # noqa: F841
     pytest.skip(f"SGLang is not importable ({exc}); install it with "
                 f"`pip install --no-deps -r .ci/sglang-requirements.txt`", allow_module_level=True)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sglang_hybrid_pools import (CpuDSAIndexerHostPool, CpuMambaHostPool,  # noqa: E402
                                  CpuMHAHostPool, CpuMLAHostPool, fill_random_mha)
 

@@ -7,14 +7,10 @@ installed: .ci/sglang-stack-requirements.txt, no torchvision). Skipped, naming
 the missing module, where the pool classes cannot be imported.
 """
 import os
-import sys
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "scripts"))
 import sglang_real_hybrid as real  # noqa: E402
 
 try:

@@ -7,14 +7,10 @@ no JuiceFS client is left running.
 """
 import itertools
 import os
-import sys
 from dataclasses import dataclass
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "faults"))
 
 import jfs  # noqa: E402
 

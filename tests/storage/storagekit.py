@@ -7,11 +7,9 @@ import mmap
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "faults"))
 
 from workers import directio  # noqa: E402
 
