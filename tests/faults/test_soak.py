@@ -1,6 +1,6 @@
 """Soak: random prefetch, backup and cancel, with random worker kills, stuck
-workers (SIGSTOP: the watchdog must fail their pages and replace them) and
-random file damage, for a bounded time (60 s; 15 s when CI=true;
+workers (SIGSTOP: the watchdog must fail their pages and replace them), store
+wipes (backups must work again after them) and random file damage, for a bounded time (60 s; 15 s when CI=true;
 HICACHE_SOAK_S overrides). Prints one summary line. With
 HICACHE_SOAK_FILL_SHM=1 it first fills /dev/shm to the last byte (run that way
 by test_soak_with_dev_shm_full, in a private small /dev/shm).
@@ -58,6 +58,10 @@ class Soak:
         self.damage_seen = self.stops = self.fenced = 0
         self.stopped: set[int] = set()               # pids we SIGSTOPped
         self.killed: set[int] = set()                # pids we SIGKILLed
+        self.wipes = 0                               # store wipes so far (the epoch)
+        self.epoch_of: dict[int, int] = {}           # op id -> wipes when it was launched
+        self.epoch_landed: set[int] = set()          # epochs in which a backup landed
+        self.epoch_failed: set[int] = set()          # ... and in which one failed
 
     # --- operations -----------------------------------------------------------
     def _pick(self, n):
@@ -98,6 +102,7 @@ class Soak:
             return None
 
     def _launch(self, op, keys, slots, written):
+        self.epoch_of[op.id] = self.wipes
         self.busy_keys.update(keys)
         self.free.difference_update(slots)
         self.inflight.append((op, written, time.monotonic()))
@@ -142,6 +147,20 @@ class Soak:
                 except ProcessLookupError:
                     pass
         self.stopped = set()
+
+    def wipe_store(self):
+        """An operator clears the cache under the running server: `rm -rf store/*`,
+        or the directory itself removed and made again. Backups must work again."""
+        root = self.e.config.storage_dir
+        if self.rng.random() < 0.5:
+            for entry in os.listdir(root):
+                path = os.path.join(root, entry)
+                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+            os.makedirs(root, mode=0o700, exist_ok=True)
+        self.wipes += 1
+        self.must = {k: None for k in KEYS}
 
     def damage_file(self):
         idle = [k for k in KEYS if k not in self.busy_keys and os.path.exists(page_file(self.e, k))]
@@ -194,8 +213,14 @@ class Soak:
         for pos, code in enumerate(op.page_status.tolist()):
             key, slot = op.keys[pos], int(op.host_pages[pos])
             if written is not None:
-                if code == st.OK:
+                same_epoch = self.epoch_of[op.id] == self.wipes
+                if code == st.OK and same_epoch:
                     self.must[key] = written[pos]
+                    self.epoch_landed.add(self.wipes)
+                elif code == st.OK:
+                    self.must[key] = None  # a wipe came while it was in flight
+                elif code in (st.IOERROR, st.NOSPACE, st.DENIED) and same_epoch:
+                    self.epoch_failed.add(self.wipes)  # no wipe raced it: the store is at fault
                 elif code == st.WORKER_DIED:
                     self.must[key] = None  # it may have landed or not
             elif code == st.OK:
@@ -207,6 +232,23 @@ class Soak:
                     self.lost += 1
                 if code in (st.CORRUPT, st.WRONG_KEY):
                     self.damage_seen += 1
+
+    def backup_after_last_wipe(self):
+        """More backups, so the last wipe too is shown survived (or not)."""
+        for _ in range(20):
+            if self.wipes in self.epoch_landed:
+                return
+            self.backup()
+            self.drain()
+
+    @property
+    def wipes_survived(self) -> int:
+        """Wipes after which no backup failed, and after the last one a backup landed."""
+        if not self.wipes:
+            return 0
+        failed = {k for k in self.epoch_failed if k > 0}
+        return self.wipes - len(failed) - (self.wipes not in self.epoch_landed and
+                                           self.wipes not in failed)
 
     def drain(self):
         deadline = time.monotonic() + OP_BOUND_S
@@ -253,11 +295,14 @@ def test_soak(tmp_path, capsys):
                     soak.kill_worker()
                 elif r < 0.95:
                     soak.stop_worker()
+                elif r < 0.953:
+                    soak.wipe_store()
                 else:
                     soak.damage_file()
                 time.sleep(rng.random() * 0.004)
             soak.drain()
             soak.release_stopped()
+            soak.backup_after_last_wipe()
             m = settle(e)
             stuck = m["stuck_workers"]
             soak.final_check()
@@ -268,9 +313,11 @@ def test_soak(tmp_path, capsys):
         # The watchdog may also catch a worker the loaded box starved past STALL_S: more
         # stuck workers than we stopped is allowed, and each must be replaced too.
         caught = min(stuck, soak.stops)
-        survived = respawned + (soak.damage if soak.wrong == 0 and soak.lost == 0 else 0)
-        line = (f"soak: ops={soak.ops} faults injected={soak.kills + soak.stops + soak.damage} "
+        survived = respawned + soak.wipes_survived + \
+            (soak.damage if soak.wrong == 0 and soak.lost == 0 else 0)
+        line = (f"soak: ops={soak.ops} faults injected={soak.kills + soak.stops + soak.wipes + soak.damage} "
                 f"survived={survived} stuck workers survived={caught} "
+                f"store wipes survived={soak.wipes_survived}/{soak.wipes} "
                 f"pages checked={soak.checked} wrong bytes={soak.wrong} lost backups={soak.lost}")
         with capsys.disabled():
             print(f"\n{line} (seed {seed}, io_depth {depth}, {soak.kills} kills, {soak.stops} stopped, "
@@ -278,6 +325,7 @@ def test_soak(tmp_path, capsys):
                   f"files, {soak.damage_seen} read back as corrupt/wrong_key"
                   f"{'' if shm_free is None else f', /dev/shm full ({shm_free} bytes free)'})")
         assert soak.wrong == 0 and soak.lost == 0, line
+        assert soak.wipes_survived == soak.wipes, line
         assert respawned == soak.kills + stuck, line
         assert soak.ops > 50 and soak.checked > 0, line
         assert np.all(np.asarray(m["ring_depth"]) == 0)
