@@ -16,7 +16,12 @@ cd "$(dirname "$0")/.."
 dest=.whl
 mkdir -p "$dest"
 skip='^(sglang|torch|triton|transformers)=='
-pkgs=$( (grep -hvE '^\s*(#|-r|$)' .ci/sglang-requirements.txt .ci/sglang-stack-requirements.txt; echo posix_ipc) \
+# What pydantic and ipython need at import that this machine had and the GPU box
+# lacks (seen there: annotated_types missing stopped the chain).
+box_lacks="annotated-types annotated-doc decorator jedi parso prompt_toolkit wcwidth stack_data
+executing asttokens pure_eval matplotlib-inline pexpect ptyprocess ipython-pygments-lexers
+charset_normalizer markdown-it-py mdurl pyyaml filelock fsspec"
+pkgs=$( (grep -hvE '^\s*(#|-r|$)' .ci/sglang-requirements.txt .ci/sglang-stack-requirements.txt; echo posix_ipc; printf '%s\n' $box_lacks) \
         | grep -viE "$skip" | sort -u)
 # shellcheck disable=SC2086
 pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
