@@ -14,13 +14,19 @@ engine writes into it: discovery by worker probes against the whole-store rescan
            up new pages into the same store as fast as it can
   phases   (alternating, --rounds each, --phase-s seconds each)
     quiet      no writer: the loop rate with no store activity
+    writer     the writer on, this loop asks nothing (exists() not called): what
+               the writer's processes take from this machine's cores; on a
+               real deployment the writer is another node and this is "quiet"
     probes     the writer on; this engine finds its pages through exists()
                (workers stat the keys the index misses; hicache_mp.discovery)
     rescan     the writer on; an engine with rescan_interval_s=5, the old way
                for shared MLA stores (a thread of this process walks the store)
 
-Printed: median loop rate per phase, probes / quiet (the target is >= 0.95),
-rescan / quiet, and how many of the writer's pages each engine found.
+Printed: median loop rate per phase over quiet and over writer. The issue's
+target is probes >= 0.95 of quiet with the writer on another machine; on one
+small machine the writer's own processes take cores, so probes / writer is the
+cost of discovery itself there. Per round: how many of the writer's pages this
+engine knew (only the keys it was asked about are looked up).
 """
 import argparse
 import multiprocessing as mp
@@ -86,7 +92,8 @@ def writer(store: str, tag: str, ready, stop, counter) -> None:
             counter.value = i
 
 
-def loop(e: PrefetchEngine, seconds: float, exists_every: int, counter, tag: str = "") -> float:
+def loop(e: PrefetchEngine, seconds: float, exists_every: int, counter, tag: str = "",
+         ask: bool = True) -> float:
     """Iterations per second of the stand-in scheduler loop."""
     n = 0
     acc = 0
@@ -98,7 +105,8 @@ def loop(e: PrefetchEngine, seconds: float, exists_every: int, counter, tag: str
             e.poll()
             n += 1
         at = counter.value if counter is not None else 0
-        e.exists([f"{tag}{at + j}" for j in range(16)])
+        if ask:
+            e.exists([f"{tag}{at + j}" for j in range(16)])
         if time.perf_counter() >= end:
             break
     return n / seconds
@@ -119,7 +127,7 @@ def main(argv=None) -> int:
     try:
         make_store(store, args.files)
         ctx = mp.get_context("spawn")
-        rates = {"quiet": [], "probes": [], "rescan": []}
+        rates = {"quiet": [], "writer": [], "probes": [], "rescan": []}
         found = {}
         for phase_engine, kw in (("probes", {}), ("rescan", {"rescan_interval_s": 5.0})):
             t0 = time.monotonic()
@@ -134,6 +142,9 @@ def main(argv=None) -> int:
                     w = ctx.Process(target=writer, args=(store, tag, ready, stop, counter))
                     w.start()
                     ready.wait(300)  # its engine's start-up scan is not part of the phase
+                    if phase_engine == "probes":
+                        rates["writer"].append(loop(e, args.phase_s, args.exists_every, counter,
+                                                    tag, ask=False))
                     rates[phase_engine].append(loop(e, args.phase_s, args.exists_every, counter,
                                                     tag))
                     stop.set()
@@ -150,10 +161,11 @@ def main(argv=None) -> int:
         log("")
         log(f"store of {args.files:,} page files, {args.rounds} rounds of {args.phase_s:.0f} s, "
             f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-        log("| phase | loop it/s (median) | ÷ quiet |")
-        log("|---|---|---|")
-        for k in ("quiet", "probes", "rescan"):
-            log(f"| {k} | {med[k]:,.0f} | {med[k] / med['quiet']:.2f} |")
+        log("| phase | loop it/s (median) | ÷ quiet | ÷ writer |")
+        log("|---|---|---|---|")
+        for k in ("quiet", "writer", "probes", "rescan"):
+            log(f"| {k} | {med[k]:,.0f} | {med[k] / med['quiet']:.2f} | "
+                f"{med[k] / med['writer']:.2f} |")
     finally:
         if not args.store:
             shutil.rmtree(store, ignore_errors=True)

@@ -87,36 +87,52 @@ def test_both_nodes_write_the_same_keys_each_read_is_one_whole_version(nodes):
 
 def test_eviction_on_one_node_while_the_other_reads(nodes):
     """Node A writes past its storage limit, round after round, so its evictor
-    removes pages; node B reads A's recent pages all the while (a thread of
+    removes pages; node B reads every page A wrote, all the while (a thread of
     its own): every read is the page's bytes or a clean miss, never a torn or
     foreign file."""
     N = 24
     with make(nodes.a, geo=MID, pages=N, workers=2, storage_max_bytes=40 * (65536 + 4096),
               eviction_interval_s=0.05) as a, make(nodes.b, geo=MID, pages=N) as b:
-        counts, wrong, written, rounds = {}, [], [0], [0]
+        counts, wrong, written, rounds = {}, [], [0], [-1]  # rounds[0]: last round written
         stop = threading.Event()
 
         def reader():
+            gone = set()
             while not stop.is_set():
-                r = rounds[0]
-                recent = [f"r{q}-{i}" for q in range(max(0, r - 2), r + 1) for i in range(N)]
-                for at in range(0, len(recent), N):
-                    got = prefetch(b, recent[at:at + N], range(N))
+                # Every page A wrote and B has not seen go: the oldest of them are
+                # the ones A's evictor is removing (A never writes a key twice).
+                every = [k for q in range(rounds[0] + 1) for k in (f"r{q}-{i}" for i in range(N))
+                         if k not in gone]
+                if not every:
+                    time.sleep(0.01)
+                for at in range(0, len(every), N):
+                    chunk = every[at:at + N]
+                    got = prefetch(b, chunk, range(len(chunk)))
                     wrong.extend(wrong_pages(b, got, _allowed(b)))
                     for c, n in got.status_counts().items():
                         counts[c] = counts.get(c, 0) + n
+                    gone.update(k for k, code in zip(got.keys, got.page_status.tolist())
+                                if code == st.MISS)
 
-        t = threading.Thread(target=reader)
+        def read_all():
+            try:
+                reader()
+            except BaseException as exc:  # the test fails on it below
+                failed.append(exc)
+
+        failed = []
+        t = threading.Thread(target=read_all)
         t.start()
         try:
-            for r in range(10):
-                rounds[0] = r
+            for r in range(12):
                 keys = [f"r{r}-{i}" for i in range(N)]
                 written[0] += _backup(a, keys, range(N)).ok_pages  # some dropped while A evicts
+                rounds[0] = r
                 time.sleep(0.1)
         finally:
             stop.set()
             t.join()
+        assert not failed, failed
         assert written[0] > 40 and a.metrics()["evicted_pages"] > 0
         assert not wrong
         assert set(counts) <= {"ok", "miss"}, counts
