@@ -175,7 +175,7 @@ def mha_host_pool(sgl, *, layers, heads, head_dim, page_size, pages, layout="lay
         buffers=sgl.dpi.KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v),
                                   layout=sgl.dpi.KVBufferLayout.NHD),
         page_size=page_size, head_num=heads, head_dim=head_dim, v_head_dim=head_dim,
-        dtype=dtype, device=torch.device(device))
+        dtype=dtype, device=k[0].device)  # cuda:0, as SGLang validates it
     return sgl.MHATokenToKVPoolHost(
         info, 1.0, 0, page_size, layout, pin_memory=(device == "cuda"), device="cpu",
         allocator_type=allocator, device_capacity_tokens=dev_tokens, start_layer=0,

@@ -59,7 +59,7 @@ def mha_pool(S, *, layout, layers=2, heads=2, head_dim=16, page_size=4, tokens=3
         buffers=S.KVBuffers(k=k, v=v, k_data_ptrs=_ptrs(k, device), v_data_ptrs=_ptrs(v, device),
                             layout=S.KVBufferLayout.NHD),
         page_size=page_size, head_num=heads, head_dim=head_dim, v_head_dim=head_dim,
-        dtype=dtype, device=torch.device(device))
+        dtype=dtype, device=k[0].device)
     return S.MHATokenToKVPoolHost(info, 1.0, 0, page_size, layout,
                                   pin_memory=device == "cuda", device="cpu",
                                   allocator_type="shm", device_capacity_tokens=page_size,
@@ -76,7 +76,7 @@ def mla_pool(S, *, layout, layers=2, page_size=4, tokens=32, rank=16, rope=4,
     info = S.MLABufferInfo(buffers=bufs, data_ptrs=_ptrs(bufs, device),
                            layer_indices=tuple(range(layers)), device_layer_num=layers,
                            page_size=page_size, kv_lora_rank=rank, qk_rope_head_dim=rope,
-                           kv_cache_dim=dim, dtype=dtype, device=torch.device(device))
+                           kv_cache_dim=dim, dtype=dtype, device=bufs[0].device)
     return S.MLATokenToKVPoolHost(info, 1.0, 0, page_size, layout,
                                   pin_memory=device == "cuda", device="cpu",
                                   allocator_type="shm", device_capacity_tokens=page_size,
