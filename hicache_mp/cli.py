@@ -276,11 +276,13 @@ def cmd_bench(args, argv=None) -> int:
         report["command"] = ["hicache-mp", "bench"] + list(argv or [])
         return _conclude(report, args)
     if args.storage_dir is not None:
+        from workers.store import split_spec
         try:  # one clear line now, rather than a traceback from deep inside the warm-up
-            os.makedirs(args.storage_dir, exist_ok=True)
-            if not os.access(args.storage_dir, os.W_OK | os.X_OK):
-                raise PermissionError(f"[Errno 13] not writable: {args.storage_dir!r}")
-        except OSError as exc:
+            for directory in split_spec(args.storage_dir):  # one, or a striped list
+                os.makedirs(directory, exist_ok=True)
+                if not os.access(directory, os.W_OK | os.X_OK):
+                    raise PermissionError(f"[Errno 13] not writable: {directory!r}")
+        except (OSError, ValueError) as exc:
             print(f"hicache-mp bench: cannot use --storage-dir {args.storage_dir}: {exc}",
                   file=sys.stderr)
             return 2

@@ -184,10 +184,12 @@ class Bench:
                 shutil.rmtree(store, ignore_errors=True)
 
     def _check_disk(self, store: str) -> None:
-        os.makedirs(store, mode=0o700, exist_ok=True)
+        pages = open_store(store)  # one directory, or a striped list
+        pages.create()
         # A store kept from an earlier run (same --storage-dir) already holds its share.
-        need = max(0, self.store_bytes() - open_store(store).scan().total_bytes)
-        free = shutil.disk_usage(store).free
+        need = max(0, self.store_bytes() - pages.scan().total_bytes)
+        # Pages spread evenly over the directories: the fullest one bounds the run.
+        free = min(shutil.disk_usage(d).free for d in pages.roots) * len(pages.roots)
         if need > free:
             per_req = need / len(self.requests)
             fit = int(free * 0.95 / per_req)
@@ -309,13 +311,10 @@ class Bench:
     def _drop_write_backs(self, store: str, namespace: str, label: str) -> None:
         """Remove a run's write-backs: keyed by this run alone, nothing reads them
         again, and keeping them would grow the store by every run's share."""
-        salt = f"{self.nonce}.{label}:"
+        salt, pages = f"{self.nonce}.{label}:", open_store(store)
         for r in self.requests:
             for key in r.computed_page_keys(self.cfg.page_size):
-                try:
-                    os.unlink(naming.page_path(store, naming.key_digest(salt + key, namespace)))
-                except FileNotFoundError:
-                    pass
+                pages.remove(naming.key_digest(salt + key, namespace))
 
 
 # --- figures -------------------------------------------------------------------
