@@ -322,6 +322,26 @@ def test_zero_copy_from_a_daemonic_scheduler_process(store):
     assert proc.exitcode == 0
 
 
+def test_a_storage_dir_list_stripes_and_clear_empties_every_directory(attach, tmp_path):
+    """SGLang's extra-config `storage_dir` takes the same comma-separated list as
+    --storage-dir: pages spread over the directories, read back byte-exact by a
+    second backend on the same list, and clear() removes them from all."""
+    dirs = [str(tmp_path / f"nvme{i}") for i in range(2)]
+    spec = ",".join(dirs)
+    backend, pool = attach(store=spec)
+    assert backend.engine.config.storage_dir == spec
+    keys = [f"st{i}" for i in range(8)]
+    want = fill_random(pool, range(8), seed=21)
+    assert backend.batch_set_v1(keys, pool.token_indices(range(8))) == [True] * 8
+    on_disk = [sum(f.endswith(".page") for _, _, fs in os.walk(d) for f in fs) for d in dirs]
+    assert sum(on_disk) == 8 and all(on_disk), on_disk
+    other, pool2 = attach(store=spec)
+    assert other.batch_get_v1(keys, pool2.token_indices(range(8))) == [True] * 8
+    assert all(torch.equal(pool2.get_data_page(p * pool2.page_size), w) for p, w in zip(range(8), want))
+    assert backend.clear() is True
+    assert not any(f.endswith(".page") for d in dirs for _, _, fs in os.walk(d) for f in fs)
+
+
 def test_storage_keys_in_the_extra_config_reach_the_engine(attach):
     backend, pool = attach(storage_max_bytes="64M", storage_min_free_bytes=1 << 20,
                            io_depth=2, backup_budget_pages=4, direct_io="off",
