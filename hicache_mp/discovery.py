@@ -16,7 +16,13 @@ metadata round trip on the scheduler's thread, per missing key, and on a
 network filesystem that is milliseconds each (docs/decisions.md).
 """
 PROBE_TTL_S = 0.25
-PROBE_MAX = 64
+ANSWER_LOST_S = 2.0
+# Keys probed per exists() call: a whole prefix another engine wrote must be
+# found in one call, because SGLang's hit query stops at the first short answer
+# and a hybrid model's trailing-page rule needs the prefix's last page (at 64,
+# a 256-page prefix read as 64 pages, and a Mamba prefix as none). A probe is
+# one stat on a worker; a full ring leaves the rest for the next call.
+PROBE_MAX = 1024
 _MEMORY = 1 << 16  # digests remembered for the negative cache, then forgotten at once
 
 
@@ -24,6 +30,10 @@ class Discovery:
     def __init__(self):
         self.asked: dict[bytes, float] = {}   # digest -> when it was last asked
         self.waiting: set[bytes] = set()      # asked and not yet answered
+        # Asks in flight per digest: an answer to an older ask (drained late,
+        # after the page was written and asked again) must not end the wait
+        # for the newer one.
+        self.pending: dict[bytes, int] = {}
         self.sent = 0
         self.found = 0
 
@@ -37,12 +47,21 @@ class Discovery:
         if len(self.asked) + len(digests) > _MEMORY:
             self.asked.clear()
             self.waiting.clear()
+            self.pending.clear()
         for d in digests:
+            prev = self.asked.get(d)
+            # An ask unanswered for ANSWER_LOST_S went with a dead worker: not waited for.
+            out = self.pending.get(d, 0) if prev is not None and now - prev < ANSWER_LOST_S else 0
+            self.pending[d] = out + 1
             self.asked[d] = now
             self.waiting.add(d)
         self.sent += len(digests)
 
     def answered(self, digest: bytes, found: bool) -> None:
+        left = self.pending.pop(digest, 1) - 1
+        if left > 0 and not found:
+            self.pending[digest] = left   # a newer ask is still out: its answer decides
+            return
         self.waiting.discard(digest)
         if found:
             self.found += 1
