@@ -127,7 +127,7 @@ class ThreadedFileEngine(EngineCore):
     def _cancel_io(self, op: Op) -> None:
         pass  # the threads check op._cancelled before each page
 
-    def _sleep_for_completion(self, timeout_s: float) -> None:
+    def _sleep_for_completion(self, timeout_s: float, op=None) -> None:
         self._signal.wait(timeout_s)
         self._signal.clear()
 

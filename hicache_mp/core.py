@@ -316,7 +316,7 @@ class EngineCore:
                     continue
                 self._sleepers += 1
             try:
-                self._sleep_for_completion(left)
+                self._sleep_for_completion(left, op)
             finally:
                 with self._lock:
                     self._sleepers -= 1
@@ -588,7 +588,7 @@ class EngineCore:
     def _probe(self, keys) -> set: return set()  # discovery; the mp engine's workers answer
     def _drain(self) -> int: raise NotImplementedError
     def _cancel_io(self, op: Op) -> None: raise NotImplementedError
-    def _sleep_for_completion(self, timeout_s: float) -> None: raise NotImplementedError
+    def _sleep_for_completion(self, timeout_s: float, op=None) -> None: raise NotImplementedError
     def _wake_sleepers(self) -> None: pass
     def _worker_pids(self) -> list: return []
     def _forget_resources(self) -> None: pass

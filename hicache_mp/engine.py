@@ -57,7 +57,7 @@ from shm.segment import check_room
 from workers import directio, naming, pagefile
 from workers import status as st
 from workers.control import BUSY_NS, BYTES, CONTROL_BYTES, MAX_BYTES, MIN_FREE, PAGES, \
-    READS_SUBMITTED, STOP, WAITERS, Control
+    READS_SUBMITTED, STOP, WAITERS, WAKE_AT, Control
 from workers.evictor import EVICT_RING_CAPACITY, EvictorProcess, headroom_bytes
 from workers.pool import BrokenPool, WorkerPool, worker_cpus
 from workers.records import KIND_PROBE, KIND_READ, KIND_WRITE
@@ -488,29 +488,37 @@ class PrefetchEngine(EngineCore):
     def _cancel_io(self, op: Op) -> None:
         self._control.cancel(op.id)
 
-    def _sleep_for_completion(self, timeout_s: float) -> None:
+    def _sleep_for_completion(self, timeout_s: float, op=None) -> None:
         # The lock makes the counter update atomic across waiting threads (SGLang
         # may block in several) and keeps the rings single-consumer; the sleep
         # itself happens outside it, with the GIL released.
+        words = self._control.words
         with self._lock:
             if self._released:
                 return
-            self._control.words[WAITERS] += 1
+            # One waiter on one op: wake once, when its pages are surely done
+            # (control: WAKE_AT); any other case: after every completion. Set
+            # before the announcement, so no worker sees a waiter without it.
+            target = op is not None and not words[WAITERS] and not op.done
+            words[WAKE_AT] = self._seq + op._remaining if target else 0
+            words[WAITERS] += 1
             # Re-check after announcing ourselves: a completion pushed before the
-            # announcement posted nothing. The short cap covers the remaining race.
+            # announcement posted nothing. The cap covers the remaining race.
             drained = self._drain()
         posted = False
         try:
             if not drained:
                 # Each sleep gives the GIL up and takes it back on waking: counted
-                # (posted wake-ups and 5 ms cap expiries) so the GIL cost of a
-                # batch can be measured (scripts/sglang_stack.py prints it).
-                posted = self.done_sem.wait(min(timeout_s, 0.005))
+                # (posted wake-ups and cap expiries) so the GIL cost of a batch
+                # can be measured (scripts/sglang_stack.py prints it).
+                posted = self.done_sem.wait(min(timeout_s, 0.02 if target else 0.005))
         finally:
             with self._lock:
                 if not drained:
                     self._wakeups[0 if posted else 1] += 1
-                self._control.words[WAITERS] -= 1
+                words[WAITERS] -= 1
+                if not words[WAITERS]:
+                    words[WAKE_AT] = 0
 
     def _shutdown_io(self) -> None:
         self._control.words[STOP] = 1  # the evictor watches it too

@@ -275,7 +275,7 @@ class FastFileEngine(EngineCore):
     def _cancel_io(self, op: Op) -> None:
         pass  # the controller threads check op._cancelled before each batch
 
-    def _sleep_for_completion(self, timeout_s: float) -> None:
+    def _sleep_for_completion(self, timeout_s: float, op=None) -> None:
         self._signal.wait(timeout_s)
         self._signal.clear()
 

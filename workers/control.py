@@ -7,7 +7,7 @@ Must not carry page records (rings do).
 
 Every field is an aligned uint64, written by exactly one side:
 
-    STOP, WAITERS, MAX_BYTES, MIN_FREE            engine
+    STOP, WAITERS, MAX_BYTES, MIN_FREE, WAKE_AT   engine
     STORE_BASE, WRITTEN_AT_SCAN, EVICTOR_PID      evictor
     per worker: READY_PID, BUSY_NS, PAGES, BYTES, WRITTEN, INFLIGHT,
                 READS_DONE                                          that worker
@@ -41,6 +41,14 @@ outstanding. A worker whose current page I/O started more than SLOW_IO_S ago
 filesystem) or in a stopped process must not hold every other worker's
 backups back, and the reads queued behind it will not go sooner for that.
 
+Wake-up target: while exactly one thread waits on one op, WAKE_AT is the
+sum of every worker's PAGES at which that op is surely done (the engine's
+count of completions it has drained, plus the op's pages outstanding: a
+worker counts a page before it pushes its completion, so the sum reaches it
+no later than the op's last push). A worker posts the completion semaphore
+only once the sum reaches it, so a batch wakes its waiter about once instead
+of once per page; 0 means post after every completion (several waiters).
+
 Heartbeat: a lane stores the monotonic clock (system-wide, so the engine can
 compare it with its own) when it starts a page I/O and 0 when it ends. The
 engine's watchdog (hicache_mp.engine) looks for an I/O older than its stall
@@ -64,7 +72,7 @@ SLOW_IO_S = 0.5  # a page I/O older than this no longer holds back other workers
 CANCEL_SLOTS = 4096
 PIN_SLOTS = 1 << 16
 _WORKER_FIELDS = 8
-STOP, WAITERS, STORE_BASE, WRITTEN_AT_SCAN, MAX_BYTES, MIN_FREE, EVICTOR_PID = range(7)
+STOP, WAITERS, STORE_BASE, WRITTEN_AT_SCAN, MAX_BYTES, MIN_FREE, EVICTOR_PID, WAKE_AT = range(8)
 _WORKERS_AT = 8
 _CANCEL_AT = _WORKERS_AT + MAX_WORKERS * _WORKER_FIELDS
 _PINS_AT = _CANCEL_AT + CANCEL_SLOTS

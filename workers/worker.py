@@ -67,7 +67,7 @@ from workers.records import KIND_PROBE, KIND_READ
 from workers.spec import WorkerSpec
 from workers.store import StoreIO, open_store
 from workers.control import BUSY_NS, BYTES, INFLIGHT, MAX_BYTES, MIN_FREE, PAGES, READS_DONE, \
-    READY_PID, WAITERS, WRITTEN, Control
+    READY_PID, WAITERS, WAKE_AT, WRITTEN, Control
 
 # A write deferred for reads at other workers goes after this long anyway: the
 # backstop against starving backups (their host pages stay pinned meanwhile).
@@ -226,8 +226,13 @@ class Worker:
                 if self.parent_gone() or self.control.stopping():
                     return
                 time.sleep(0.0005)
-        if self.control.words[WAITERS]:
+        if self.control.words[WAITERS] and self._wake_due():
             self.done.post()
+
+    def _wake_due(self) -> bool:
+        """Post now? Always when no single waiter set a target (control: WAKE_AT)."""
+        at = int(self.control.words[WAKE_AT])
+        return not at or int(self.control.workers[:, PAGES].sum()) >= at
 
     def _probe(self, digest: bytes) -> int:
         """Is this key's page in the store? One lookup (a read still checks the
