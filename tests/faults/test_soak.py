@@ -313,8 +313,11 @@ def test_soak(tmp_path, capsys):
         # The watchdog may also catch a worker the loaded box starved past STALL_S: more
         # stuck workers than we stopped is allowed, and each must be replaced too.
         caught = min(stuck, soak.stops)
-        survived = respawned + soak.wipes_survived + \
-            (soak.damage if soak.wrong == 0 and soak.lost == 0 else 0)
+        # A stopped worker survives either way: caught stuck and replaced (counted
+        # in respawned), or let go on again before the stall limit.
+        clean = soak.wrong == 0 and soak.lost == 0
+        survived = (respawned - stuck) + (soak.stops if clean else caught) + \
+            soak.wipes_survived + (soak.damage if clean else 0)
         line = (f"soak: ops={soak.ops} faults injected={soak.kills + soak.stops + soak.wipes + soak.damage} "
                 f"survived={survived} stuck workers survived={caught} "
                 f"store wipes survived={soak.wipes_survived}/{soak.wipes} "
