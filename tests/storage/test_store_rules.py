@@ -31,8 +31,10 @@ def test_pages_used_now_outlive_cold_pages_that_carry_future_times(store):
         backup(e, read, range(4))
         time.sleep(0.05)
         assert prefetch(e, read, range(20, 24)).status == "ok"  # stamps them now
-        written = [f"new{i}" for i in range(16)]
-        assert backup(e, written, range(16)).status == "ok"
+        # 38 files: past the evictor's wake-up (37), two files short of the limit, so
+        # a store estimate a file or two high mid-pass cannot drop a write.
+        written = [f"new{i}" for i in range(14)]
+        assert backup(e, written, range(14)).status == "ok"
         assert settle(lambda: e.poll() is not None and e.metrics()["evicted_pages"] >= 5, 10), \
             (e.metrics(), len(store_files(store)[0]))
         gone = lambda keys: [k for k in keys if not os.path.exists(page_file(e, k))]  # noqa: E731
