@@ -39,8 +39,6 @@ import numpy as np
 import torch
 
 from shm import PageGeometry
-from workers import naming
-from workers.store import open_store
 from workers import status as st
 
 from ..engine import PrefetchEngine
@@ -90,7 +88,9 @@ class _Slots:
 class SidecarPool:
     """One registered sidecar pool: its layout, engine and staging slots."""
 
-    def __init__(self, name: str, host_pool, layout, engine: PrefetchEngine, zero_copy: bool):
+    def __init__(self, name: str, host_pool, layout, engine: PrefetchEngine, zero_copy: bool,
+                 probe_wait_s: float = 0.0):
+        self.probe_wait_s = probe_wait_s
         self.name, self.host_pool, self.layout, self.engine = name, host_pool, layout, engine
         self.page_size = int(getattr(host_pool, "page_size", 1) or 1)
         self.zero_copy = zero_copy
@@ -103,19 +103,15 @@ class SidecarPool:
         return f"{key}.{self.name}"
 
     def present(self, keys) -> np.ndarray:
-        """Per key: its page is in the store (index, else one stat: another
-        process sharing the directory may have written it)."""
+        """Per key: its page is in the store. Keys the index misses are asked of
+        the workers, as for KV (hicache_mp.discovery): another process sharing
+        the directory may have written them, and no stat runs in this process."""
         eng = self.engine
         skeys = [self.key(k) for k in keys]
         out = eng.present(skeys)
-        found, store = [], open_store(eng.config.storage_dir)
-        for i in np.flatnonzero(~out).tolist():
-            d = naming.key_digest(skeys[i], eng.namespace)
-            if store.exists(d):
-                found.append(skeys[i])
-                out[i] = True
-        if found:
-            eng.mark_present(found)
+        if not out.all():
+            eng.exists(skeys, wait_s=self.probe_wait_s)
+            out = eng.present(skeys)
         return out
 
     def _stage(self, slots: list[int]):
@@ -221,7 +217,8 @@ class HybridPools:
             g = self._geometry(layout, zero_copy=fd is not None)
             engine = PrefetchEngine(self._config(name, layout, pages if fd is not None else 0),
                                     g, pool_fd=fd)
-            pool = SidecarPool(name, host_pool, layout, engine, zero_copy=fd is not None)
+            pool = SidecarPool(name, host_pool, layout, engine, zero_copy=fd is not None,
+                               probe_wait_s=self.backend.own.probe_wait_s)
         except Exception as exc:
             if engine is not None:
                 engine.close()
