@@ -10,10 +10,7 @@ API, same file format and same host pool as `PrefetchEngine`.
 
 Owns only that thread's loop. Must not be used as the production path.
 """
-import collections
 import os
-import queue
-import threading
 import time
 
 import torch
@@ -24,10 +21,11 @@ from workers.storedir import ensure_fanout
 from workers import status as st
 
 from .core import EngineCore
+from .inprocess import InProcessThreads
 from .ops import READ, Op
 
 
-class ThreadedFileEngine(EngineCore):
+class ThreadedFileEngine(InProcessThreads, EngineCore):
     backend = "file"
 
     def __init__(self, config, geometry):
@@ -39,15 +37,8 @@ class ThreadedFileEngine(EngineCore):
         self._dtype = getattr(torch, geometry.dtype)
         self._numel = geometry.page_bytes // geometry.itemsize
         self._fp = geometry.fingerprint()
-        self._done = collections.deque()  # (op, pos, status, io_ns, errno) from the threads
-        self._stopping = False
-        self._signal = threading.Event()
-        self._queues = {"read": queue.Queue(), "write": queue.Queue()}
-        self._threads = [threading.Thread(target=self._loop, args=(kind,), daemon=True,
-                                          name=f"hicache_mp-file-{kind}") for kind in self._queues]
         self._serial = 0
-        for t in self._threads:
-            t.start()
+        self._start_threads("file")  # _done: (op, pos, status, io_ns, errno) from the threads
 
     # --- the I/O threads ------------------------------------------------------
     def _loop(self, kind: str) -> None:
@@ -126,24 +117,6 @@ class ThreadedFileEngine(EngineCore):
 
     def _cancel_io(self, op: Op) -> None:
         pass  # the threads check op._cancelled before each page
-
-    def _sleep_for_completion(self, timeout_s: float, op=None) -> None:
-        self._signal.wait(timeout_s)
-        self._signal.clear()
-
-    def _wake_sleepers(self) -> None:
-        self._signal.set()
-
-    def _shutdown_io(self) -> None:
-        self._stopping = True
-        for q in self._queues.values():
-            q.put(None)
-        for t in self._threads:
-            t.join()
-        self._drain()
-
-    def _release_shm(self) -> None:
-        self.host_pool.close()
 
     def _num_workers(self) -> int:
         return 1

@@ -36,9 +36,7 @@ an op (hit query, I/O, progress sync) happen on one thread here.
 
 Owns only those threads. Must not be used as the production path.
 """
-import collections
 import os
-import queue
 import threading
 import time
 import uuid
@@ -52,7 +50,8 @@ from workers import status as st
 from workers.storedir import ensure_fanout
 
 from .core import EngineCore
-from .ops import READ, WRITE, Op
+from .inprocess import InProcessThreads
+from .ops import READ, Op
 
 STORAGE_BATCH_SIZE = 128          # sglang.srt.mem_cache.hicache_storage
 DIRECT_IO_LAYOUTS = ("page_first", "page_first_direct")
@@ -63,7 +62,7 @@ class _CorruptPage(OSError):
     pass
 
 
-class FastFileEngine(EngineCore):
+class FastFileEngine(InProcessThreads, EngineCore):
     backend = "fast_file"
 
     def __init__(self, config, geometry, *, read_workers: int = 1, write_workers: int = 1):
@@ -81,19 +80,11 @@ class FastFileEngine(EngineCore):
         self._fp = geometry.fingerprint()
         self._iov_max = _iov_max()
         self._write_locks = tuple(threading.Lock() for _ in range(WRITE_LOCK_STRIPES))
-        self._done = collections.deque()  # (op, [pos], [code], io_ns per page, [errno])
-        self._signal = threading.Event()
-        self._stopping = False
         self._read_executor = ThreadPoolExecutor(read_workers, "hicache_mp-ffread") \
             if read_workers > 1 else None
         self._write_executor = ThreadPoolExecutor(write_workers, "hicache_mp-ffwrite") \
             if write_workers > 1 else None
-        self._queues = {READ: queue.Queue(), WRITE: queue.Queue()}
-        self._threads = [threading.Thread(target=self._loop, args=(kind,), daemon=True,
-                                          name=f"hicache_mp-fast_file-{kind}")
-                         for kind in (READ, WRITE)]
-        for t in self._threads:
-            t.start()
+        self._start_threads("fast_file")  # _done: (op, [pos], [code], io_ns per page, [errno])
 
     # --- the controller threads (prefetch_io_aux / backup) --------------------
     def _loop(self, kind: str) -> None:
@@ -275,26 +266,10 @@ class FastFileEngine(EngineCore):
     def _cancel_io(self, op: Op) -> None:
         pass  # the controller threads check op._cancelled before each batch
 
-    def _sleep_for_completion(self, timeout_s: float, op=None) -> None:
-        self._signal.wait(timeout_s)
-        self._signal.clear()
-
-    def _wake_sleepers(self) -> None:
-        self._signal.set()
-
-    def _shutdown_io(self) -> None:
-        self._stopping = True
-        for q in self._queues.values():
-            q.put(None)
-        for t in self._threads:
-            t.join()
+    def _stop_helpers(self) -> None:
         for ex in (self._read_executor, self._write_executor):
             if ex is not None:
                 ex.shutdown(wait=True)
-        self._drain()
-
-    def _release_shm(self) -> None:
-        self.host_pool.close()
 
     def _num_workers(self) -> int:
         return self.read_workers
