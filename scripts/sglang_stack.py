@@ -42,13 +42,26 @@ import sglang_real as R  # noqa: E402
 _rid = itertools.count()
 
 
+# A chunk of the busy loop takes ~10-20 us; one that took longer than this
+# lost the GIL to another thread of the process (SGLang's storage threads,
+# the backend) for the gap: one hand-off.
+HANDOFF_GAP_S = 0.0005
+
+
 class Scheduler:
-    """The scheduler thread's part: waits on SGLang's queues, idle or busy."""
+    """The scheduler thread's part: waits on SGLang's queues, idle or busy.
+
+    Busy, it also counts GIL hand-offs: every gap between two chunks of its
+    loop longer than HANDOFF_GAP_S is a time another thread of the process
+    held the GIL (what each GIL release of a storage thread costs a busy
+    scheduler: up to the switch interval)."""
 
     def __init__(self, busy: bool, poll_every: int = 256):
         self.busy, self.poll_every = busy, poll_every
         self.iters, self.x = 0, 1
         self.busy_s = 0.0
+        self.handoffs, self.handoff_s = 0, 0.0
+        self._last = None
 
     def spin(self, n: int) -> None:
         x = self.x
@@ -56,6 +69,12 @@ class Scheduler:
             x = (x * 1103515245 + i) & 0xFFFFFFFF
         self.x = x
         self.iters += n
+        now = time.perf_counter()
+        # since the previous chunk ended: this chunk plus one queue poll
+        if self._last is not None and now - self._last > HANDOFF_GAP_S:
+            self.handoffs += 1
+            self.handoff_s += now - self._last
+        self._last = now
 
     def get(self, q, deadline: float):
         """One item from `q`; TimeoutError past `deadline` (never a hang)."""
@@ -67,6 +86,7 @@ class Scheduler:
             except queue.Empty:
                 raise TimeoutError("no answer from SGLang's storage threads") from None
         t0 = time.perf_counter()
+        self._last = None  # gaps between polls of different queues are no hand-offs
         try:
             while True:
                 try:
@@ -240,27 +260,38 @@ def run_backend(sgl, backend, args, root) -> dict:
         s.read(Scheduler(False))  # warm: first round pays the index/page cache
         w0, c0 = _wakeups(s), s.calls["batch_get_v1"]
         modes = {"idle": [], "busy": []}
-        rates = []
+        rates, handoffs = [], []
         if args.switch_interval_ms:
             modes["busy_switch"] = []
+        be = getattr(s.ctl.storage_backend, "_backend", s.ctl.storage_backend)
+        if args.handback_us and hasattr(be, "handback"):
+            modes["busy_handback"] = []
         for _ in range(args.runs):
             for mode in modes:
                 sched = Scheduler(mode != "idle")
                 old = sys.getswitchinterval()
                 if mode == "busy_switch":
                     sys.setswitchinterval(args.switch_interval_ms / 1000)
+                elif mode == "busy_handback":  # the adapter's opt-in gil_handback_us
+                    be.handback.seconds = args.handback_us / 1e6
                 try:
                     t, done = s.read(sched)
                 finally:
                     sys.setswitchinterval(old)
+                    if mode == "busy_handback":
+                        be.handback.seconds = 0.0
                 if done != len(s.tokens):
                     out.setdefault("short_reads", 0)
                     out["short_reads"] = out["short_reads"] + 1
                 modes[mode].append(t)
                 if mode == "busy":
                     rates.append(sched.rate())
+                    handoffs.append((sched.handoffs, sched.handoff_s))
                 elif mode == "busy_switch":
                     out.setdefault("loop_rate_switch", []).append(sched.rate())
+                elif mode == "busy_handback":
+                    out.setdefault("loop_rate_handback", []).append(sched.rate())
+                    out.setdefault("handoffs_handback", []).append(sched.handoffs)
         for mode, ts in modes.items():
             out[f"{mode}_s"] = ts
             out[f"{mode}_median_s"] = median(ts)
@@ -272,8 +303,11 @@ def run_backend(sgl, backend, args, root) -> dict:
                                             "timeout_5ms": (w1[1] - w0[1]) / calls}
         out["busy_over_idle"] = out["busy_median_s"] and out["idle_median_s"] / out["busy_median_s"]
         out["loop_rate_busy"] = median(rates)
-        if "loop_rate_switch" in out:
-            out["loop_rate_switch"] = median(out["loop_rate_switch"])
+        out["handoffs_per_round"] = median([h for h, _ in handoffs])
+        out["handoff_s_per_round"] = median([t for _, t in handoffs])
+        for k in ("loop_rate_switch", "loop_rate_handback", "handoffs_handback"):
+            if k in out:
+                out[k] = median(out[k])
         if backend != "nobytes" and args.mixed:
             out.update(read_during_write(s, args))
         out["calls"] = dict(s.calls)
@@ -333,10 +367,17 @@ def summary(res: dict) -> dict:
         mp, nb = b["mp"], b["nobytes"]
         out["mp_busy_minus_floor_over_idle"] = (mp["busy_median_s"] - nb["busy_median_s"]) / mp["idle_median_s"]
         out["nobytes_busy_s"] = nb["busy_median_s"]
+        # the GIL hand-offs the backend adds to a round beyond SGLang's own
+        out["mp_handoffs_over_floor"] = mp["handoffs_per_round"] - nb["handoffs_per_round"]
+        out["nobytes_handoffs_per_round"] = nb["handoffs_per_round"]
     if "mp" in b and "busy_switch_median_s" in b["mp"]:
         mp = b["mp"]
         out["mp_switch_over_idle"] = mp["idle_median_s"] / mp["busy_switch_median_s"]
         out["loop_rate_switch_over_plain"] = mp["loop_rate_switch"] / mp["loop_rate_busy"]
+    if "mp" in b and "busy_handback_median_s" in b["mp"]:
+        mp = b["mp"]
+        out["mp_handback_over_idle"] = mp["idle_median_s"] / mp["busy_handback_median_s"]
+        out["loop_rate_handback_over_plain"] = mp["loop_rate_handback"] / mp["loop_rate_busy"]
     for name, r in b.items():
         out[f"{name}_busy_over_idle"] = r["busy_over_idle"]
         if "read_with_write_s" in r:
@@ -362,6 +403,9 @@ def parse(argv=None):
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--switch-interval-ms", type=float, default=0.0,
                     help="also run busy rounds with sys.setswitchinterval at this value")
+    ap.add_argument("--handback-us", type=float, default=0.0,
+                    help="also run mp's busy rounds with the adapter's opt-in gil_handback_us "
+                         "at this value (the switch interval lowered only while a batch waits)")
     ap.add_argument("--no-mixed", dest="mixed", action="store_false",
                     help="skip the read-while-a-backup-is-in-flight round")
     ap.add_argument("--inject-rounds", type=int, default=3, help="0: skip the failure injector")

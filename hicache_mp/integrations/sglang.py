@@ -69,6 +69,7 @@ from ..engine import PrefetchEngine
 from ..ops import Op
 from .sglang_layouts import flat_page_view, host_page_view
 from .sglang_names import SGLangShard
+from .handback import HandbackScope
 from .sglang_v2 import HybridPools
 
 log = logging.getLogger("hicache_mp.sglang")
@@ -97,6 +98,11 @@ class AdapterConfig:
                                   "answers about keys the index does not know (pages other "
                                   "engines or nodes wrote); 0: answer from the index, later "
                                   "calls see what the workers found", sglang=True, lo=0)
+    gil_handback_us: float = setting(0.0, "opt-in: while a batch waits for its pages, the "
+                                     "process's switch interval is this many microseconds, so "
+                                     "the waiting storage thread gets the GIL back from a busy "
+                                     "scheduler that fast (restored when no batch waits); "
+                                     "0: off", sglang=True, lo=0, hi=5000)
 
     def __post_init__(self):
         for f in settings(type(self)):
@@ -211,6 +217,15 @@ class _Staging:
             self.cond.notify_all()
 
 
+def host_indices_numpy(host_indices) -> np.ndarray:
+    """SGLang's host indices as numpy. A CPU tensor is viewed, not copied with
+    `.cpu()`: every torch op releases the GIL, and under a busy scheduler each
+    release costs the storage thread up to a switch interval to get it back."""
+    if isinstance(host_indices, torch.Tensor):
+        return (host_indices if host_indices.is_cpu else host_indices.cpu()).numpy()
+    return np.asarray(host_indices)
+
+
 class HiCacheMP(HiCacheStorage):
     """hicache_mp as an SGLang HiCache storage backend (see the module docstring).
 
@@ -255,6 +270,7 @@ class HiCacheMP(HiCacheStorage):
         self.metrics_on = bool(getattr(storage_config, "enable_storage_metrics", False))
         self._warned: set[str] = set()
         self.hybrid = HybridPools(self)
+        self.handback = HandbackScope(self.own.gil_handback_us / 1e6)
 
     # --- attach -------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -334,7 +350,9 @@ class HiCacheMP(HiCacheStorage):
         # Keys the index does not know (an MLA writer rank's pages, another
         # node's) are asked of the store by the workers; SGLang calls this from
         # its prefetch thread, which may wait for the answers (GIL released).
-        return self._need_engine().exists(list(keys), wait_s=self.own.probe_wait_s)
+        eng = self._need_engine()
+        with self.handback:
+            return eng.exists(list(keys), wait_s=self.own.probe_wait_s)
 
     def batch_get_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
         keys = list(keys)
@@ -377,8 +395,7 @@ class HiCacheMP(HiCacheStorage):
     def _host_pages(self, keys, host_indices) -> np.ndarray:
         self._need_engine()
         P = self.geometry.page_size
-        idx = host_indices.cpu().numpy() if isinstance(host_indices, torch.Tensor) \
-            else np.asarray(host_indices)
+        idx = host_indices_numpy(host_indices)
         if idx.ndim != 1 or len(idx) != len(keys) * P:
             raise ValueError(f"hicache_mp: {len(keys)} keys need {len(keys) * P} host indices "
                              f"(page size {P}), got shape {tuple(idx.shape)}")
@@ -467,10 +484,11 @@ class HiCacheMP(HiCacheStorage):
         io_timeout_s the op is abandoned: pages not done end False, and this returns
         only once no worker can write their slots any more (a stuck one is killed
         and replaced), because SGLang reuses those slots as soon as we return."""
-        if self.io_timeout_s is None:
-            eng.wait(op)
-        elif not eng.wait(op, self.io_timeout_s):
-            eng.abandon(op, grace_s=min(ABANDON_GRACE_S, self.io_timeout_s))
+        with self.handback:
+            if self.io_timeout_s is None:
+                eng.wait(op)
+            elif not eng.wait(op, self.io_timeout_s):
+                eng.abandon(op, grace_s=min(ABANDON_GRACE_S, self.io_timeout_s))
 
     def _index_written(self, keys, ok, writer: PrefetchEngine) -> None:
         """Pages written by the legacy staging engine are known to the main one too."""
