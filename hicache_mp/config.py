@@ -46,7 +46,8 @@ class Setting:
     choices: tuple | None = None
     lo: float | None = None        # lowest allowed value (inclusive unless lo_open)
     lo_open: bool = False
-    hi: float | None = None        # highest allowed value (inclusive)
+    hi: float | None = None        # highest allowed value (inclusive unless hi_open)
+    hi_open: bool = False
     finite: bool = True            # float('inf') refused
     metavar: str | None = None
 
@@ -74,6 +75,10 @@ DIRECT_IO_HELP = ("O_DIRECT page reads and writes: the device moves bytes straig
                   "page cache, far faster than any disk. 'on': O_DIRECT whatever the store's "
                   "size, and an error at start if the filesystem or geometry cannot do it. "
                   "'off': buffered I/O always")
+WRITE_SHARE_HELP = ("while reads wait (prefetches queued or in flight at any worker), backups "
+                    "take at most this share of each worker's I/O time, measured in time, not "
+                    "pages (a write can cost as much as twenty reads); with no read waiting, "
+                    "backups go at full speed. Between 0 and 1, exclusive")
 IO_DEPTH_HELP = ("page I/Os each worker keeps in flight (threads inside the worker process; "
                  "preadv/pwritev release the GIL); reads stay first and at most one write per "
                  "worker runs beside them. 0 = auto: 2 with O_DIRECT, where the device's queue "
@@ -138,8 +143,9 @@ class EngineConfig:
     backup_budget_pages: int = setting(0, BACKUP_BUDGET_HELP,
                                        flag="--hicache-mp-backup-budget-pages", sglang=True,
                                        lo=0, metavar="N")
-    reads_per_write: int = setting(8, "a worker serves reads first; after this many in a row, "
-                                   "one write", sglang=True, lo=1)
+    write_share: float = setting(0.1, WRITE_SHARE_HELP, flag="--hicache-mp-write-share",
+                                 sglang=True, lo=0, lo_open=True, hi=1, hi_open=True,
+                                 metavar="F")
     io_depth: int = setting(0, IO_DEPTH_HELP, flag="--hicache-mp-io-depth", sglang=True, lo=0,
                             hi=MAX_IO_DEPTH, metavar="N")
     storage_max_bytes: int = setting(
@@ -232,11 +238,12 @@ def parse_value(f, value):
     if kind in (int, float):
         if kind is float and s.finite and math.isinf(value):
             raise ValueError(f"{name} must be finite, got {value!r}")
+        hi = "" if s.hi is None else f"{'<' if s.hi_open else '<='} {s.hi:g}"
         if s.lo is not None and not (value > s.lo if s.lo_open else value >= s.lo):  # NaN fails
             raise ValueError(f"{name} must be {'>' if s.lo_open else '>='} {s.lo:g}"
-                             f"{'' if s.hi is None else f' and <= {s.hi:g}'}, got {value!r}")
-        if s.hi is not None and not value <= s.hi:
-            raise ValueError(f"{name} must be <= {s.hi:g}, got {value!r}")
+                             f"{f' and {hi}' if hi else ''}, got {value!r}")
+        if s.hi is not None and not (value < s.hi if s.hi_open else value <= s.hi):
+            raise ValueError(f"{name} must be {hi}, got {value!r}")
         if math.isnan(value):
             raise ValueError(f"{name} must be a number, got {value!r}")
     return value

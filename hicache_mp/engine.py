@@ -179,7 +179,7 @@ class PrefetchEngine(EngineCore):
                 verify_checksum=config.verify_checksum, write_checksum=config.write_checksum,
                 fsync=config.fsync, require_checksum=config.require_checksum,
                 quarantine_bad_files=config.quarantine_bad_files,
-                worker_batch=config.worker_batch, reads_per_write=config.reads_per_write,
+                worker_batch=config.worker_batch, write_share=config.write_share,
                 direct_io=self.direct_io, io_depth=config.resolved_io_depth(self.direct_io),
                 num_workers=workers, capacity=config.capacity_limited,
                 evict_sem=self._evictor.wake.name if self._evictor else None,

@@ -72,7 +72,8 @@ def test_sizes_and_numbers_from_strings(store, field, value, want):
     ("storage_max_bytes", "lots"), ("storage_max_bytes", "-1G"), ("storage_max_bytes", 1.5),
     ("num_workers", True), ("num_workers", 2.0), ("io_depth", "2.5"),
     ("eviction_interval_s", 0), ("eviction_interval_s", float("inf")),
-    ("prefetch_timeout_s", float("nan")), ("fsync", "sometimes"), ("direct_io", True)])
+    ("prefetch_timeout_s", float("nan")), ("fsync", "sometimes"), ("direct_io", True),
+    ("write_share", 0), ("write_share", 1), ("write_share", "1.5"), ("write_share", -0.1)])
 def test_bad_values_name_their_field(store, field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(storage_dir=store, **{field: value})
@@ -88,7 +89,7 @@ def test_flags_and_sglang_keys_cover_the_old_ones():
     assert config.sglang_keys() >= {
         "storage_dir", "num_workers", "write_checksum", "verify_checksum", "pin_workers",
         "rescan_interval_s", "direct_io", "io_depth", "fsync", "backup_budget_pages",
-        "storage_max_bytes", "storage_min_free_bytes", "reads_per_write", "eviction_interval_s",
+        "storage_max_bytes", "storage_min_free_bytes", "write_share", "eviction_interval_s",
         "quarantine_bad_files"}
 
 

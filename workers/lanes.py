@@ -15,9 +15,11 @@ docs/decisions.md entry 19 for the default that gave and why.
 
 The rules the inline loop keeps still hold:
   - reads first: the dispatcher picks one record at a time, by the same
-    rule (a write after `reads_per_write` reads in a row, or when no read
-    waits here and `Worker.write_turn` allows it), and only when a lane is
-    free, so a choice is never made early;
+    rule (`Worker.write_turn`: while reads wait, a write only on the
+    worker's write credit, workers.share; with none waiting anywhere,
+    freely), and only when a lane is free, so a choice is never made early;
+    the lane that finishes a write charges it (`Worker.complete`) before
+    the dispatcher may pick the next one;
   - at most one write in flight per worker: a read never waits behind more
     than the writes already running, reads and writes run side by side, and
     the capacity reservation (one INFLIGHT word per worker) stays exact.
@@ -72,18 +74,15 @@ class _Dispatch:
         """The next record by the inline loop's priority rule, or None."""
         w = self.w
         if not self.writing and w.write_ring.pending():
-            reads_here = w.read_ring.pending()
-            if (reads_here and w.read_streak >= w.reads_per_write) or \
-                    (not reads_here and w.write_turn()):
+            paid = w.write_turn(bool(w.read_ring.pending()))
+            if paid is not None:
                 recs = w.write_ring.pop(1)
                 if len(recs):
-                    w.read_streak = 0
-                    w.deferred_since = None
+                    w.write_paid = paid
                     self.writing = True
                     return recs[0]
         recs = w.read_ring.pop(1)
         if len(recs):
-            w.read_streak += 1
             return recs[0]
         return None
 
@@ -109,7 +108,6 @@ def run_lanes(worker) -> bool:
             rec = dispatch.next_record()
             if rec is None:
                 free.release()
-                w.read_streak = 0
                 # Woken by a submission, or by a lane whose write finished while
                 # another write waited; a write deferred for reads elsewhere is
                 # looked at again soon (nobody posts for those).

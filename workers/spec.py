@@ -28,7 +28,7 @@ class WorkerSpec:
     fsync: str
     quarantine_bad_files: bool
     worker_batch: int
-    reads_per_write: int
+    write_share: float
     direct_io: bool
     io_depth: int
     num_workers: int

@@ -16,16 +16,20 @@ Two submit rings per worker: `read_ring` (prefetch) and `write_ring`
 backup is not. Writes are taken one at a time, and the read ring is looked at
 (one load) before each, so a read that arrives behind a burst of backups
 waits for at most one page write. Reads come first across the engine too: a
-worker with no read of its own defers a write while any worker still has
-reads outstanding (workers.control), because on one device every byte
-written is bandwidth a read does not get (figures: docs/decisions.md 20).
-Writes are never starved: after `reads_per_write` reads in a row with writes
-waiting, one write goes, and a write deferred for WRITE_DEFER_MAX_S goes
-whatever the reads elsewhere.
+worker with no read of its own treats a write as taken from reads while any
+worker still has reads outstanding (workers.control), because on one device
+every byte written is bandwidth a read does not get (figures:
+docs/decisions.md 20). While reads wait (here or elsewhere), a write starts
+only if this worker's write credit covers it: writes then take at most
+`write_share` of its I/O time (workers.share: by time, not by page count,
+since one write can cost the time of twenty reads). With no read waiting
+anywhere writes go freely. Writes are never starved: the credit grows with
+every read served while they wait, and a write deferred for
+WRITE_DEFER_MAX_S by reads at other workers goes whatever those reads.
 
 Loop, with one exit path:
-  1. pop up to `batch` records from the read ring; do each (after every
-     `reads_per_write` of them, one queued write if any);
+  1. pop up to `batch` records from the read ring; do each (after each, one
+     queued write if the credit covers it);
   2. else, if it is a write's turn (`write_turn`), pop one record from the
      write ring and do it;
   3. if neither had work: sleep on the wake semaphore (timeout: parent
@@ -63,7 +67,8 @@ from shm.hostpool import HostPool
 from workers import pagefile, status
 from workers.child import PARENT_CHECK_S, ParentWatch, child_main, orphan_cleanup
 from workers.lanes import DEFER_POLL_S, Lane, run_lanes
-from workers.records import KIND_PROBE, KIND_READ
+from workers.records import KIND_PROBE, KIND_READ, KIND_WRITE
+from workers.share import WriteShare
 from workers.spec import WorkerSpec
 from workers.store import StoreIO, open_store
 from workers.control import BUSY_NS, BYTES, INFLIGHT, MAX_BYTES, MIN_FREE, PAGES, READS_DONE, \
@@ -95,7 +100,7 @@ class Worker:
         self.read_ring = Ring(spec.read_ring, spec.ring_capacity, create=False)
         self.write_ring = Ring(spec.write_ring, spec.ring_capacity, create=False)
         self.completion = Ring(spec.completion_ring, spec.completion_capacity, create=False)
-        self.reads_per_write = spec.reads_per_write
+        self.share = WriteShare(spec.write_share, self.payload_len)
         self.wake = WakeSemaphore(spec.wake_sem, create=False)
         self.done = WakeSemaphore(spec.done_sem, create=False)
         self.control = Control(spec.control, create=False)
@@ -108,7 +113,7 @@ class Worker:
         self.evict_wake = WakeSemaphore(spec.evict_sem, create=False) if spec.evict_sem else None
         self.headroom = spec.evict_headroom
         self.num_workers = spec.num_workers
-        self.read_streak = 0  # reads done in a row while writes waited
+        self.write_paid = False  # the write in flight (one at most) was charged to the credit
         self.deferred_since = None  # monotonic time a waiting write was first deferred
         self.pid = os.getpid()
         # One producer at a time on the completion ring (SPSC), and the stats
@@ -135,42 +140,48 @@ class Worker:
             if len(records):
                 for rec in records:
                     self.serve(rec, self.lane)
-                    self.read_streak += 1
-                    if self.read_streak >= self.reads_per_write and self.write_ring.pending():
-                        self._one_write()  # reads first, but writes are never starved
+                    if self.write_ring.pending() and self.write_turn(True):
+                        self._one_write(True)  # reads first, but writes are never starved
                 continue
-            self.read_streak = 0
             if self.write_ring.pending():
-                if self.write_turn():
-                    self._one_write()
-                else:
+                paid = self.write_turn(False)
+                if paid is None:
                     self.wake.wait(DEFER_POLL_S)
+                else:
+                    self._one_write(paid)
                 continue
             self.wake.wait(PARENT_CHECK_S)
         return False
 
-    def write_turn(self) -> bool:
-        """With no read of its own waiting: may a queued write go now?
+    def write_turn(self, reads_here: bool) -> bool | None:
+        """May a queued write start now? None: not yet; True: yes, on credit
+        (reads wait: it is charged); False: yes, free.
 
-        Not while reads are outstanding at any worker (module docstring),
-        unless this write has been deferred for WRITE_DEFER_MAX_S.
+        Free when no read waits here (`reads_here`) nor is outstanding at any
+        worker. Else on credit (workers.share); with no read of its own a
+        write deferred for WRITE_DEFER_MAX_S goes anyway (reads stuck at
+        another worker must not hold backups for ever).
         """
-        if not self.control.reads_outstanding(self.num_workers):
+        if not reads_here and not self.control.reads_outstanding(self.num_workers):
+            self.deferred_since = None
+            return False
+        if self.share.may_write():
             self.deferred_since = None
             return True
+        if reads_here:
+            return None  # the reads served here earn the credit
         now = time.monotonic()
         if self.deferred_since is None:
             self.deferred_since = now
         if now - self.deferred_since >= WRITE_DEFER_MAX_S:
             self.deferred_since = None
-            return True
-        return False
+            return False
+        return None
 
-    def _one_write(self) -> None:
-        self.read_streak = 0
-        self.deferred_since = None
+    def _one_write(self, paid: bool) -> None:
         recs = self.write_ring.pop(1)
         if len(recs):
+            self.write_paid = paid
             self.serve(recs[0], self.lane)
 
     def serve(self, rec, lane: Lane) -> None:
@@ -212,6 +223,10 @@ class Worker:
         out["status"][0] = code
         out["flags"][0] = err
         out["io_ns"][0] = io_ns
+        if rec["kind"] == KIND_WRITE:  # settled before anyone sees the write done
+            self.share.write_done(io_ns, self.write_paid, code == status.OK)
+        else:
+            self.share.read_done(io_ns, bool(self.write_ring.pending()))
         with self.push_lock:
             # Counted before the completion is pushed, so metrics() never shows
             # fewer pages than the engine has already seen complete. With lanes

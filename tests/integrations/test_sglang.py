@@ -345,11 +345,11 @@ def test_a_storage_dir_list_stripes_and_clear_empties_every_directory(attach, tm
 def test_storage_keys_in_the_extra_config_reach_the_engine(attach):
     backend, pool = attach(storage_max_bytes="64M", storage_min_free_bytes=1 << 20,
                            io_depth=2, backup_budget_pages=4, direct_io="off",
-                           reads_per_write=3)
+                           write_share=0.25)
     cfg = backend.engine.config
     assert (cfg.storage_max_bytes, cfg.storage_min_free_bytes) == (64 << 20, 1 << 20)
-    assert (cfg.io_depth, cfg.backup_budget_pages, cfg.direct_io, cfg.reads_per_write) == \
-        (2, 4, "off", 3)
+    assert (cfg.io_depth, cfg.backup_budget_pages, cfg.direct_io, cfg.write_share) == \
+        (2, 4, "off", 0.25)
     m = backend.engine.metrics()
     assert m["io_depth"] == 2 and m["backup_budget_pages"] == 4 and not m["direct_io"]
     assert backend.engine._evictor is not None  # the capacity limit is enforced, not just stored

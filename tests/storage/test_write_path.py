@@ -1,4 +1,5 @@
-"""The write path under load: reads go before queued writes, writes are never
+"""The write path under load: reads go before queued writes, writes take at
+most `write_share` of a worker's I/O time while reads wait and are never
 starved, and a backup over its budget is dropped at once with a status.
 
 Ordering is observed, not timed: a worker is stopped (SIGSTOP) while both its
@@ -8,6 +9,7 @@ pages (one worker's completions arrive in the order it did them).
 import time
 
 import numpy as np
+import pytest
 
 from faultkit import MID, backup, capture_log, content, fingerprint, make, prefetch, put, \
     wrong_pages
@@ -24,7 +26,9 @@ def _fill(e, keys, slots):
 
 
 def test_reads_go_before_writes_queued_ahead_of_them(store):
-    with make(store, geo=MID, pages=32, workers=1) as e:
+    # write_share 0.01: four reads cannot earn a write's worth of credit (the
+    # default 0.1 could, were the box slow enough to make a cached read ~3 ms).
+    with make(store, geo=MID, pages=32, workers=1, write_share=0.01) as e:
         old = [f"old-{i}" for i in range(4)]
         backup(e, old, range(4))
         new = [f"new-{i}" for i in range(12)]
@@ -42,23 +46,66 @@ def test_reads_go_before_writes_queued_ahead_of_them(store):
         assert rop.landed_seq.max() < wop.landed_seq.min(), (rop.landed_seq, wop.landed_seq)
 
 
-def test_writes_are_not_starved_by_a_stream_of_reads(store):
-    with make(store, geo=MID, pages=64, workers=1, reads_per_write=3) as e:
-        old = [f"old-{i}" for i in range(24)]
-        backup(e, old, range(24))
-        new = [f"new-{i}" for i in range(4)]
-        _fill(e, new, range(24, 28))
-        pids = stop_workers(e)
-        try:
-            rop = e.prefetch(old, range(32, 56))
-            wop = e.backup(new, range(24, 28))
-        finally:
-            cont(pids)
-        assert e.wait(wop, 30) and e.wait(rop, 30)
-        assert rop.status == "ok" and wop.status == "ok"
-        # One write after every 3 reads: all 4 writes done before the 16th read.
-        order = np.sort(rop.landed_seq)
-        assert wop.landed_seq.max() < order[15], (rop.landed_seq, wop.landed_seq)
+def _queued_reads_and_writes(e, nreads: int, nwrites: int):
+    """One stopped worker; `nreads` cached pages to prefetch queued, then
+    `nwrites` pages to back up; let go, both done. Returns (read op, write op)."""
+    old = [f"old-{i}" for i in range(nreads)]
+    backup(e, old, range(nreads))
+    new = [f"new-{i}" for i in range(nwrites)]
+    _fill(e, new, range(nreads, nreads + nwrites))
+    pids = stop_workers(e)
+    try:
+        rop = e.prefetch(old, range(nreads + nwrites, 2 * nreads + nwrites))
+        wop = e.backup(new, range(nreads, nreads + nwrites))
+    finally:
+        cont(pids)
+    assert e.wait(wop, 30) and e.wait(rop, 30)
+    assert rop.status == "ok" and wop.status == "ok"
+    assert not wrong_pages(e, rop, _allowed(e))
+    assert e.exists(new) == nwrites
+    return rop, wop
+
+
+def test_writes_interleave_with_reads_by_their_share_of_io_time(store):
+    """A large write_share: each read earns write credit worth many times its
+    own time, so the queued writes go between the reads, not after them."""
+    with make(store, geo=MID, pages=64, workers=1, write_share=0.95) as e:
+        rop, wop = _queued_reads_and_writes(e, 24, 4)
+        assert wop.landed_seq.max() < rop.landed_seq.max(), (rop.landed_seq, wop.landed_seq)
+
+
+def test_a_tiny_write_share_lets_every_read_land_first_and_writes_still_complete(store):
+    """A tiny write_share: 24 reads earn no write's worth of credit, so every
+    read lands before the first write; then, with no read waiting, the writes
+    go (the helper checks they all landed)."""
+    with make(store, geo=MID, pages=64, workers=1, write_share=1e-6) as e:
+        rop, wop = _queued_reads_and_writes(e, 24, 4)
+        assert rop.landed_seq.max() < wop.landed_seq.min(), (rop.landed_seq, wop.landed_seq)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_slow_writes_take_no_more_than_their_share_of_a_prefetchs_time(store, depth):
+    """What a user sees: a backup of slow writes (fdatasync per page, on the
+    test's real disk) is queued when a prefetch of cached pages comes. Writes
+    may take at most `write_share` of the worker's I/O time while the reads
+    wait, so the writes that land before the prefetch's last read are at most
+    one (its cost is known only once it ran) plus what the reads' time
+    earned: sum(read io) * share / (1 - share) / (a write's cost, taken as
+    half the mean: writes vary). A page count (a write per 8 reads) let 11
+    of these slow writes ahead of the prefetch's last read."""
+    share = 0.1
+    with make(store, geo=MID, pages=256, workers=1, fsync="data", io_depth=depth,
+              write_share=share) as e:
+        nreads, nwrites = 96, 16
+        rop, wop = _queued_reads_and_writes(e, nreads, nwrites)
+        read_ns, write_ns = rop.io_ns / nreads, wop.io_ns / nwrites
+        if write_ns < 3 * read_ns:
+            pytest.skip(f"fdatasync is not slow here (write {write_ns / 1e3:.0f} us, "
+                        f"read {read_ns / 1e3:.0f} us): nothing to share")
+        earned = rop.io_ns * share / (1 - share)
+        allowed = 1 + int(earned // (write_ns * 0.5))
+        before = int((wop.landed_seq < rop.landed_seq.max()).sum())
+        assert before <= allowed, (before, allowed, read_ns, write_ns)
 
 
 def test_backup_over_budget_is_dropped_at_once_and_never_stalls(store):
