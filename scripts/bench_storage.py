@@ -16,9 +16,12 @@ Everything runs on one directory (so one device):
                      page files
   mp cold read       PrefetchEngine.prefetch() of the data set, W workers x D
   mixed              with the most workers and the depth that read best there:
-                     a stream of prefetches alone, then
-                     the same stream with a backup stream beside it; reads must
-                     keep >= 0.8 of their read-only GB/s (issue 7)
+                     a stream of prefetches alone, then the same stream with a
+                     backup stream beside it, in turn (--mixed-repeats), one
+                     engine; reads must keep >= 0.8 of their read-only GB/s
+                     (issues 7, 13). Buffered, the reads come from the page
+                     cache (--mixed-cache warm); with O_DIRECT, cold.
+                     --mixed-only runs just this (no ceilings, no sweep)
 
 "Cold": before every read pass the page cache is dropped (`sync; echo 1 >
 /proc/sys/vm/drop_caches` when allowed, else posix_fadvise(DONTNEED) on every
@@ -34,6 +37,7 @@ import json
 import mmap
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -214,7 +218,8 @@ def make_engine(args, store: str, geometry: PageGeometry, workers: int,
     return PrefetchEngine(EngineConfig(
         storage_dir=store_spec(store, stripes), num_workers=workers, host_pool_pages=args.pool_pages,
         direct_io=args.direct_io, fsync=args.fsync, io_depth=depth,
-        model_name="bench_storage"), geometry)
+        model_name="bench_storage",
+        **({} if args.write_share is None else {"write_share": args.write_share})), geometry)
 
 
 def run_ops(eng, kind: str, keys: list, slots: list, depth: int = 2) -> tuple[float, dict]:
@@ -256,47 +261,110 @@ def fill_pool(eng) -> None:
 
 
 def mixed(args, store, geometry, workers, depth, read_keys, write_prefix, cache_method) -> dict:
-    """Read-only stream, then the same reads with a backup stream beside them."""
-    out = {"workers": workers, "io_depth": depth}
+    """Reads alone, then the same reads with a backup stream beside them, in
+    turn `--mixed-repeats` times on one engine; the ratio is the median of the
+    pairs' (with writes / alone). Buffered, the reads come from the page cache
+    (`--mixed-cache warm`, what a server re-reading hot prefixes sees) or cold;
+    with O_DIRECT they are cold whatever the flag. The writer rewrites the same
+    keys over and over (every write is a real file write), so the disk holds
+    one data set of them at most."""
+    out = {"workers": workers, "io_depth": depth, "repeats": args.mixed_repeats}
     with make_engine(args, store, geometry, workers, depth) as eng:
         fill_pool(eng)
+        warm = not eng.direct_io and args.mixed_cache == "warm"
+        keys = read_keys * (args.mixed_passes if warm else 1)
+        out["reads_from"] = "page cache" if warm else "device (cold)"
+        out["passes"] = args.mixed_passes if warm else 1
+        out["write_share"] = getattr(eng.config, "write_share", None)
         half = args.pool_pages // 2
         read_slots, write_slots = list(range(half)), list(range(half, 2 * half))
-        for label, with_writes in (("read_only", False), ("read_with_writes", True)):
-            drop_cache(page_files(store)) if cache_method else None
-            stop = threading.Event()
-            writer_result = {}
-            if with_writes:
-                wkeys = [f"{write_prefix}-{i}" for i in range(len(read_keys))]
+        wkeys = [f"{write_prefix}-{i}" for i in range(len(read_keys))]
+        if warm:
+            run_ops(eng, "prefetch", read_keys, read_slots)  # into the page cache
+        out["io_depth"] = eng.config.resolved_io_depth(eng.direct_io)
+        log(f"  mixed: {workers} workers x depth {out['io_depth']}, reads from the "
+            f"{out['reads_from']}, write_share {out['write_share']}")
+        rows = {"read_only": [], "read_with_writes": []}
+        for _ in range(args.mixed_repeats):
+            for label, with_writes in (("read_only", False), ("read_with_writes", True)):
+                if not warm and cache_method:
+                    drop_cache(page_files(store))
+                stop = threading.Event()
+                writer_result = {}
+                if with_writes:
+                    def writer():
+                        # Run on a thread: its Python work is small (submit + poll under
+                        # the engine's lock); the workers do the I/O.
+                        done = 0
+                        t0 = time.perf_counter()
+                        while not stop.is_set():
+                            at = done % len(wkeys)
+                            batch = wkeys[at:at + len(write_slots)]
+                            op = eng.backup(batch, write_slots[:len(batch)])
+                            while not op.done:
+                                eng.wait(op, 0.05)
+                            done += len(batch)
+                        writer_result["gbps"] = done * geometry.page_bytes / (
+                            time.perf_counter() - t0) / 1e9
+                        writer_result["pages"] = done
 
-                def writer():
-                    # Run on a thread: its Python work is small (submit + poll under the
-                    # engine's lock); the workers do the I/O.
-                    done = 0
-                    t0 = time.perf_counter()
-                    while not stop.is_set() and done < len(wkeys):
-                        batch = wkeys[done:done + len(write_slots)]
-                        op = eng.backup(batch, write_slots[:len(batch)])
-                        while not op.done:
-                            eng.wait(op, 0.05)
-                        done += len(batch)
-                    writer_result["gbps"] = done * geometry.page_bytes / (time.perf_counter() - t0) / 1e9
-                    writer_result["pages"] = done
+                    wt = threading.Thread(target=writer)
+                    wt.start()
+                gbps, counts = run_ops(eng, "prefetch", keys, read_slots)
+                stop.set()
+                if with_writes:
+                    wt.join()
+                rows[label].append({"read_gbps": gbps, "statuses": counts, **(
+                    {"write_gbps": writer_result.get("gbps"),
+                     "write_pages": writer_result.get("pages")} if with_writes else {})})
+                log(f"  mixed {label:17s} reads {gbps:6.2f} GB/s"
+                    + (f", writes beside them {writer_result.get('gbps', 0):.2f} GB/s"
+                       if with_writes else ""))
+    ratios = [w["read_gbps"] / r["read_gbps"] for r, w in
+              zip(rows["read_only"], rows["read_with_writes"]) if r["read_gbps"]]
+    out["runs"] = rows
+    out["ratios"] = ratios
+    out["ratio"] = statistics.median(ratios) if ratios else None
+    for label in rows:  # the medians, under the names one run used to have
+        med = statistics.median(r["read_gbps"] for r in rows[label])
+        statuses: dict = {}
+        for r in rows[label]:
+            for k, v in r["statuses"].items():
+                statuses[k] = statuses.get(k, 0) + v
+        out[label] = {"read_gbps": med, "statuses": statuses}
+    writes = [r["write_gbps"] for r in rows["read_with_writes"] if r.get("write_gbps")]
+    out["read_with_writes"]["write_gbps"] = statistics.median(writes) if writes else None
+    return out
 
-                wt = threading.Thread(target=writer)
-                wt.start()
-            gbps, counts = run_ops(eng, "prefetch", read_keys, read_slots)
-            stop.set()
-            if with_writes:
-                wt.join()
-            out[label] = {"read_gbps": gbps, "statuses": counts, **(
-                {"write_gbps": writer_result.get("gbps"), "write_pages": writer_result.get("pages")}
-                if with_writes else {})}
-            log(f"  mixed {label:17s} reads {gbps:6.2f} GB/s"
-                + (f", writes beside them {writer_result.get('gbps', 0):.2f} GB/s"
-                   if with_writes else ""))
-    out["ratio"] = out["read_with_writes"]["read_gbps"] / out["read_only"]["read_gbps"] \
-        if out["read_only"]["read_gbps"] else None
+
+def mixed_only(args, mode, geometry, base, npages, method) -> dict | None:
+    """--mixed-only: write the data set once with the engine, then the mixed run."""
+    store = os.path.join(base, f"store-{mode}")
+    args.direct_io = mode
+    tag = f"[direct_io={mode}]"
+    try:
+        make_engine(args, store, geometry, 1).close()
+    except ValueError as exc:
+        log(f"{tag} skipped: {exc}")
+        return None
+    top, depth = max(args.workers), args.io_depth[0]
+    read_keys = [f"page-{i}" for i in range(npages)]
+    try:
+        with make_engine(args, store, geometry, top, depth) as eng:
+            fill_pool(eng)
+            wg, wc = run_ops(eng, "backup", read_keys, list(range(args.pool_pages)))
+            log(f"{tag} {eng.direct_io_reason}; data set written at {wg:.2f} GB/s {wc}")
+            out = {"direct_io": eng.direct_io, "direct_io_reason": eng.direct_io_reason}
+        out["mixed"] = m = mixed(args, store, geometry, top, depth, read_keys, "mixed", method)
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+    out["ratios"] = {"mixed_read_over_read_only": m["ratio"]}
+    log(f"{tag} mixed: read GB/s with writes / read-only, reads from the {m['reads_from']}: "
+        f"{m['ratio']:.2f} (median of {len(m['ratios'])}: "
+        f"{', '.join(f'{x:.2f}' for x in m['ratios'])}; "
+        f"{m['read_with_writes']['read_gbps']:.2f} / {m['read_only']['read_gbps']:.2f} GB/s, "
+        f"writes beside them {m['read_with_writes']['write_gbps'] or 0:.2f} GB/s)  "
+        f"(target >= 0.80)")
     return out
 
 
@@ -343,6 +411,20 @@ def parse_args(argv=None):
                    help="also run each sweep point with the store striped over N directories "
                         "(here on one device: the striping store's cost against 1)")
     p.add_argument("--no-mixed", action="store_true", help="skip the mixed read+write run")
+    p.add_argument("--mixed-only", action="store_true",
+                   help="only the mixed run (no ceilings, no sweep): the data set is written "
+                        "once with the largest --workers and the first --io-depth (default 0: "
+                        "the engine's auto), then read alone and beside a backup stream")
+    p.add_argument("--mixed-cache", choices=("warm", "cold"), default="warm",
+                   help="buffered mixed reads: from the page cache (warm) or with it dropped "
+                        "first (cold); with O_DIRECT they are cold anyway")
+    p.add_argument("--mixed-repeats", type=int, default=3,
+                   help="read-only / with-writes pairs, in turn; the ratio is their median")
+    p.add_argument("--mixed-passes", type=int, default=1,
+                   help="page-cache reads per measurement: the data set this many times (a "
+                        "warm pass is short); cold reads pass once")
+    p.add_argument("--write-share", type=float, default=None,
+                   help="the engine's --hicache-mp-write-share (default: the engine's)")
     p.add_argument("--quick", action="store_true",
                    help="a small run for any machine (256 KiB pages, 64 MiB, workers 1 2): "
                         "checks that everything works, measures nothing worth quoting")
@@ -354,9 +436,11 @@ def parse_args(argv=None):
         args.workers = args.workers or [1, 2]
         args.pool_pages = args.pool_pages or 32
         args.io_depth = args.io_depth or [1, 2]
-    args.io_depth = args.io_depth or [1, 2, 4]
-    if min(args.io_depth) < 1:
-        p.error("--io-depth values must be >= 1")
+    args.io_depth = args.io_depth or ([0] if args.mixed_only else [1, 2, 4])
+    if min(args.io_depth) < (0 if args.mixed_only else 1):
+        p.error("--io-depth values must be >= 1 (0, auto, with --mixed-only)")
+    if args.mixed_repeats < 1 or args.mixed_passes < 1:
+        p.error("--mixed-repeats and --mixed-passes must be >= 1")
     if min(args.stripes) < 1:
         p.error("--stripes values must be >= 1")
     args.total_gib = args.total_gib or 12.0
@@ -453,7 +537,8 @@ def sweep_mode(args, mode, geometry, base, npages, raw_write_dd, raw_read_dd, me
         f"{r['write_best_io_depth']}): "
         f"{r['write_over_raw']:.2f}  (target >= 0.90)")
     if r["mixed_read_over_read_only"] is not None:
-        log(f"{tag} mixed: read GB/s with writes / read-only: "
+        log(f"{tag} mixed: read GB/s with writes / read-only, reads from the "
+            f"{out['mixed']['reads_from']} (median of {len(out['mixed']['ratios'])}): "
             f"{r['mixed_read_over_read_only']:.2f}  (target >= 0.80)")
     log("")
     return out
@@ -509,7 +594,7 @@ def main(argv=None) -> int:
         report["cache_drop"] = method
         log(f"page cache dropped with {method} before every read pass")
         dd_w = dd_r = None
-        if not args.no_dd:
+        if not args.no_dd and not args.mixed_only:
             ddir = os.path.join(base, "dd")
             os.makedirs(ddir)
             dd_w = raw_dd(ddir, file_bytes, npages, streams, True)
@@ -522,7 +607,10 @@ def main(argv=None) -> int:
             shutil.rmtree(ddir, ignore_errors=True)
         report["raw_dd"] = {"write_gbps": dd_w, "read_gbps": dd_r, "streams": streams}
         for mode in modes:
-            out = sweep_mode(args, mode, geometry, base, npages, dd_w, dd_r, method)
+            if args.mixed_only:
+                out = mixed_only(args, mode, geometry, base, npages, method)
+            else:
+                out = sweep_mode(args, mode, geometry, base, npages, dd_w, dd_r, method)
             if out is not None:
                 report["modes"][mode] = out
     finally:

@@ -11,12 +11,17 @@
 #              against honest raw ceilings (1-64 plain threads and processes,
 #              one new file per page, the best of them), io depth 2 and 4, and
 #              reads beside a write-through (OUTDIR/storage.json)
+#   mixed      (only when named) scripts/bench_storage.py --mixed-only: reads
+#              alone and beside a backup stream, in turn, 15 workers, from the
+#              page cache (buffered) and cold (O_DIRECT): the medians of 5
+#              pairs' ratios (OUTDIR/mixed.json; ~2 minutes)
 #   discovery  scripts/bench_discovery.py on a store of 1 M page files: the
 #              scheduler's loop rate quiet / another engine writing (found by
 #              probes) / the old whole-store rescan (OUTDIR/discovery.log)
-# Usage: scripts/device_prod.sh OUTDIR [ranks] [storage] [discovery]
+# Usage: scripts/device_prod.sh OUTDIR [ranks] [storage] [mixed] [discovery]
 set -u
-out=${1:?usage: scripts/device_prod.sh OUTDIR [ranks] [storage] [discovery]}
+t0=$SECONDS
+out=${1:?usage: scripts/device_prod.sh OUTDIR [ranks] [storage] [mixed] [discovery]}
 shift
 parts=${*:-ranks storage discovery}
 mkdir -p "$out"
@@ -40,11 +45,17 @@ for part in $parts; do
         --json "$out/storage.json" > "$out/storage.log" 2>&1
       echo "bench_storage rc=$? at $((SECONDS - t0))s"
       quiet "$out/storage.log" 30 ;;
+    mixed)
+      timeout 240 python3 scripts/bench_storage.py --dir /tmp --workers 15 --total-gib 6 \
+        --direct-io off on --mixed-only --mixed-passes 8 --mixed-repeats 5 \
+        --json "$out/mixed.json" > "$out/mixed.log" 2>&1
+      echo "bench_storage mixed rc=$? at $((SECONDS - t0))s"
+      quiet "$out/mixed.log" 30 ;;
     discovery)
       timeout 280 python3 scripts/bench_discovery.py --files 1000000 --phase-s 4 --rounds 3 \
         > "$out/discovery.log" 2>&1
       echo "bench_discovery rc=$? at $((SECONDS - t0))s"
       quiet "$out/discovery.log" 20 ;;
-    *) echo "unknown part $part (ranks, storage, discovery)"; exit 2 ;;
+    *) echo "unknown part $part (ranks, storage, mixed, discovery)"; exit 2 ;;
   esac
 done

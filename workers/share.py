@@ -4,7 +4,7 @@ Owns one worker's write credit (nanoseconds) and its estimate of what a write
 costs. Must not pick records or touch rings: workers.worker and workers.lanes
 ask `may_write` and report each finished page.
 
-The rule (docs/decisions.md 54): while a write waits, every read served earns
+The rule (docs/decisions.md 55): while a write waits, every read served earns
 ``io_ns * share / (1 - share)`` of credit; a write may start while reads wait
 only if the credit covers its expected cost (an EWMA of this worker's
 measured writes; before the first, the page at FIRST_WRITE_BPS), and is

@@ -40,3 +40,25 @@ def test_bench_storage_help_names_every_flag():
     for flag in ("--dir", "--workers", "--total-gib", "--direct-io", "--fsync", "--quick",
                  "--json", "--no-mixed", "--no-dd", "--raw-threads", "--dd-streams", "--io-depth"):
         assert flag in proc.stdout
+
+
+def test_bench_storage_mixed_only_reports_the_ratio_per_mode(tmp_path):
+    """--mixed-only: reads alone and beside writes, in turn, the median ratio,
+    and where the reads came from (buffered: the page cache; O_DIRECT: cold)."""
+    out = tmp_path / "mixed.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_storage.py"),
+                           "--quick", "--mixed-only", "--mixed-repeats", "2", "--dir",
+                           str(tmp_path), "--json", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert "off" in report["modes"]
+    for name, mode in report["modes"].items():
+        m = mode["mixed"]
+        assert m["reads_from"] == ("page cache" if name == "off" else "device (cold)")
+        assert len(m["ratios"]) == 2 and m["ratio"] > 0
+        assert mode["ratios"]["mixed_read_over_read_only"] == m["ratio"]
+        for run in m["runs"]["read_with_writes"]:
+            assert run["statuses"] == {"ok": report["pages"] * m["passes"]}, run
+            assert run["write_pages"] > 0
+    assert "read-only, reads from the page cache" in proc.stdout
