@@ -157,6 +157,8 @@ class Stack:
                                   pages=self.pages * 3, layout=args.layout)
         if backend == "mp":
             kind, extra = "dynamic", R.mp_extra(store, num_workers=args.workers)
+            if getattr(args, "node_engines", 0):
+                extra["node_engines"] = args.node_engines
         elif backend == "file":
             kind, extra = "file", {"file_storage_path": store}
         elif backend == "nobytes":
