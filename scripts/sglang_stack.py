@@ -156,7 +156,8 @@ class Stack:
                                   head_dim=args.head_dim, page_size=self.P,
                                   pages=self.pages * 3, layout=args.layout)
         if backend == "mp":
-            kind, extra = "dynamic", R.mp_extra(store, num_workers=args.workers)
+            kind, extra = "dynamic", R.mp_extra(store, num_workers=args.workers,
+                                                **getattr(args, "mp_key", {}))
             if getattr(args, "node_engines", 0):
                 extra["node_engines"] = args.node_engines
         elif backend == "file":
@@ -311,7 +312,11 @@ def run_backend(sgl, backend, args, root) -> dict:
             if k in out:
                 out[k] = median(out[k])
         if backend != "nobytes" and args.mixed:
-            out.update(read_during_write(s, args))
+            rounds = [read_during_write(s, args, r) for r in range(args.runs)]
+            out["read_with_write_runs_s"] = [x["read_with_write_s"] for x in rounds]
+            out["read_with_write_s"] = median(out["read_with_write_runs_s"])
+            for k in ("read_with_write_ok", "write_during_read_ok"):
+                out[k] = all(x[k] for x in rounds)
         out["calls"] = dict(s.calls)
         out["wrong_pages"], out["checked_pages"] = s.wrong_pages, s.checked_pages
     finally:
@@ -319,10 +324,11 @@ def run_backend(sgl, backend, args, root) -> dict:
     return out
 
 
-def read_during_write(s: Stack, args) -> dict:
-    """A prefetch round while a backup of other pages is in flight."""
+def read_during_write(s: Stack, args, r: int = 0) -> dict:
+    """A prefetch round while a backup of other pages (new ones each round `r`) is in flight."""
     import threading
-    tokens = list(range(10**7, 10**7 + s.pages * s.P))
+    first = 10**7 + r * s.pages * s.P
+    tokens = list(range(first, first + s.pages * s.P))
     hashes = s.sgl.get_storage_hash_str(tokens, None, page_size=s.P)
     s.ctl.write_storage(s.extra_src, tokens, hash_value=hashes)
     time.sleep(0.001)
@@ -402,7 +408,11 @@ def parse(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--layout", default="layer_first")
     ap.add_argument("--workers", type=int, default=0, help="hicache_mp num_workers (0 = auto)")
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=3,
+                    help="rounds per mode (and read-while-a-backup rounds); medians reported")
+    ap.add_argument("--mp-key", action="append", default=[], metavar="KEY=VALUE",
+                    help="an extra-config key for hicache_mp (repeatable), e.g. io_depth=2 or "
+                         "write_share=0.05")
     ap.add_argument("--switch-interval-ms", type=float, default=0.0,
                     help="also run busy rounds with sys.setswitchinterval at this value")
     ap.add_argument("--handback-us", type=float, default=0.0,
@@ -417,6 +427,9 @@ def parse(argv=None):
     ap.add_argument("--store", default=None, help="directory for the stores (default: a temp dir)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if any("=" not in kv for kv in args.mp_key):
+        ap.error("--mp-key takes KEY=VALUE")
+    args.mp_key = dict(kv.split("=", 1) for kv in args.mp_key)
     page_bytes = int(args.page_mib * 2**20)
     per_token = 2 * args.layers * args.heads * args.head_dim * 2  # bf16, K and V
     if page_bytes % per_token or args.round_mib <= 0:
