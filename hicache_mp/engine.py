@@ -52,6 +52,7 @@ import numpy as np
 
 from shm import PageGeometry, WakeSemaphore, clean_stale, new_owner_tag
 from shm.hostpool import HostPool
+from shm.partpool import Part, PartPool
 from shm.ring import RECORD_DTYPE, ring_bytes
 from shm.segment import check_room
 from workers import directio, naming, pagefile
@@ -83,7 +84,8 @@ BATCH_APPLY_MIN = 64
 class PrefetchEngine(EngineCore):
     backend = "mp"
 
-    def __init__(self, config: EngineConfig, geometry: PageGeometry, *, pool_fd: int | None = None):
+    def __init__(self, config: EngineConfig, geometry: PageGeometry, *, pool_fd: int | None = None,
+                 pool_parts=None):
         """`pool_fd`: map this region as the host pool instead of creating one.
 
         For pools that someone else owns, e.g. SGLang's memfd host pool
@@ -91,6 +93,13 @@ class PrefetchEngine(EngineCore):
         descriptor, hands it to every worker (Popen pass_fds), never unlinks or
         resizes it, and closes the dup on close(). The region must hold at least
         `geometry.pool_bytes(config.host_pool_pages)` bytes from offset 0.
+
+        `pool_parts`: instead, a pool whose page is one run in each of several
+        regions: (fd, offset, stride) per part, page p being the runs
+        [offset + p * stride, stride) in part order (shm.partpool; SGLang's
+        Mamba state, one memfd per tensor). Same ownership rules as pool_fd;
+        the strides must add up to the geometry's page bytes. Such a pool has
+        no `tensor` view: its pages are only moved by the workers.
         """
         super().__init__(config, geometry)
         self.stale_removed = clean_stale()
@@ -102,10 +111,19 @@ class PrefetchEngine(EngineCore):
         self._stuck_workers = 0
         self._wakeups = [0, 0]  # waits ended by a worker's post, by the 5 ms cap
         self._stalled_pages = 0
-        self.shared_pool = pool_fd is not None
+        if pool_fd is not None and pool_parts is not None:
+            raise ValueError("give pool_fd or pool_parts, not both")
+        parts = None
+        if pool_parts is not None:
+            parts = [Part(*(int(x) for x in p)) for p in pool_parts]
+            if sum(p.stride for p in parts) != geometry.page_bytes:
+                raise ValueError(f"pool_parts: strides add up to {sum(p.stride for p in parts)} "
+                                 f"bytes, the geometry's page is {geometry.page_bytes}")
+        self.shared_pool = pool_fd is not None or parts is not None
         self.direct_io, self.direct_io_reason = directio.resolve(
             config.direct_io, self._store.roots, geometry, config.host_pool_pages,
-            config.storage_max_bytes)
+            config.storage_max_bytes,
+            page_runs=None if parts is None else (lambda page: [p.run(page) for p in parts]))
         if config.direct_io != "off":
             # One line per engine: a filesystem that refuses is worth a warning; an
             # unaligned geometry (small test pages) is expected, so only info.
@@ -122,8 +140,9 @@ class PrefetchEngine(EngineCore):
         # each segment is allocated in full at creation (shm.segment), so what fits
         # now can never be taken away by another process filling /dev/shm later.
         try:
-            check_room(shm_bytes(geometry.pool_bytes(config.host_pool_pages) if pool_fd is None
-                                 else 0, workers, ring_capacity, config.capacity_limited),
+            check_room(shm_bytes(0 if self.shared_pool else
+                                 geometry.pool_bytes(config.host_pool_pages),
+                                 workers, ring_capacity, config.capacity_limited),
                        f"this engine's shared memory (host pool, control block, rings of "
                        f"{workers} workers)")
         except BaseException:
@@ -142,9 +161,20 @@ class PrefetchEngine(EngineCore):
                 if have < need:
                     raise ValueError(f"pool_fd holds {have} bytes; the geometry needs {need} "
                                      f"for {config.host_pool_pages} pages")
-            self.host_pool = HostPool(geometry, config.host_pool_pages, name=self.tag + ".pool",
-                                      create=own_fd is None, populate=config.populate,
-                                      fd=None if own_fd is None else own_fd.fd)
+            own_parts = None
+            if parts is not None:
+                dups = {}
+                for fd in sorted({p.fd for p in parts}):
+                    dups[fd] = _OwnedFd(os.dup(fd))
+                    self._segments.append(dups[fd])
+                own_parts = [Part(dups[p.fd].fd, p.offset, p.stride) for p in parts]
+                self.host_pool = PartPool(own_parts, config.host_pool_pages,
+                                          name=self.tag + ".pool", populate=config.populate)
+            else:
+                self.host_pool = HostPool(geometry, config.host_pool_pages,
+                                          name=self.tag + ".pool", create=own_fd is None,
+                                          populate=config.populate,
+                                          fd=None if own_fd is None else own_fd.fd)
             self._segments.append(self.host_pool)
             self._control = Control(self.tag + ".ctl", create=True)
             self._segments.append(self._control)
@@ -175,7 +205,10 @@ class PrefetchEngine(EngineCore):
             spec = WorkerSpec(
                 storage_dir=config.storage_dir, geometry=geometry.to_dict(),
                 pool_name=self.host_pool.name, pool_pages=config.host_pool_pages,
-                pool_fd=None if own_fd is None else own_fd.fd, populate=config.populate,
+                pool_fd=None if own_fd is None else own_fd.fd,
+                pool_parts=None if own_parts is None else
+                tuple((p.fd, p.offset, p.stride) for p in own_parts),
+                populate=config.populate,
                 verify_checksum=config.verify_checksum, write_checksum=config.write_checksum,
                 fsync=config.fsync, require_checksum=config.require_checksum,
                 quarantine_bad_files=config.quarantine_bad_files,

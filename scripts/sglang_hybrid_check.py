@@ -24,6 +24,22 @@ Prints per backend and mode the prefetch GB/s (median of --runs) and the busy
 ratio mp/file, and checks every page read byte for byte against the pages
 written (wrong_pages must be 0). --json writes everything.
 
+The GIL, two figures per prefetch round (their medians over --runs):
+- GIL gaps (busy mode; idle: None): the busy loop stamps the time after
+  every 256 iterations (~15 us of pure Python); a gap over 0.5 ms between
+  two stamps means another thread held the GIL that long: Python work (or a
+  C call that keeps the GIL) in the storage thread, such as a loop per page.
+  Printed with the gap time.
+- storage-thread blocks: the storage thread's voluntary context switches
+  (/proc/self/task/<tid>/status), i.e. every time it slept: a blocking call
+  (the wait for a batch), or, with a busy scheduler, taking the GIL back
+  after giving it up (each torch op, large numpy op or blocking call gives
+  it up; with the scheduler holding it, getting it back costs up to
+  sys.getswitchinterval(), 5 ms). Busy minus idle counts those hand-offs.
+  A hand-off is only seen from the side that waits, so the busy loop's gaps
+  cannot count it: the storage thread takes the GIL for a few microseconds
+  between two releases.
+
     PYTHONPATH=. python3 scripts/sglang_hybrid_check.py --json $OUT/hybrid.json
     # small CPU smoke run:
     PYTHONPATH=. python3 scripts/sglang_hybrid_check.py --rounds 2 --prefix-pages 8 \
@@ -50,6 +66,14 @@ import torch  # noqa: E402
 import sglang_real_hybrid as RH  # noqa: E402
 
 BATCH = 128   # SGLang's STORAGE_BATCH_SIZE
+CHUNK = 256   # busy-loop iterations between two time stamps
+GAP_S = 0.5e-3
+# Every Rank's SGLang host pools live until the process ends. On CUDA they are
+# cudaHostRegister'ed (alloc_with_host_register) and nothing here unregisters
+# them: freeing one lets the next backend's pools be mapped at the same
+# address, and registering that range again fails with cudaError 712
+# (cudaErrorHostMemoryAlreadyRegistered).
+_KEEP_POOLS: list = []
 
 
 def log(msg: str) -> None:
@@ -72,6 +96,7 @@ class Rank:
                               page_size=args.page_size, tokens=tokens)
         self.mamba = RH.mamba_pool(S, layers=args.mamba_layers, slots=args.rounds,
                                    temporal=args.temporal, conv=(args.conv,))
+        _KEEP_POOLS.extend((self.kv, self.mamba))
         g = torch.Generator().manual_seed(seed)
         RH.fill_random(self.kv, g)
         RH.fill_random(self.mamba, g)
@@ -181,6 +206,35 @@ def wrong_pages(src: Rank, dst: Rank, rounds: int) -> int:
     return bad
 
 
+def voluntary_switches() -> int | None:
+    """This thread's voluntary context switches so far (Linux), else None."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/status") as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def busy_loop(worker: threading.Thread) -> tuple[int, int, float]:
+    """The scheduler: pure Python until `worker` ends. (iterations, GIL gaps, gap seconds)."""
+    x, n, gaps, gap_s = 1, 0, 0, 0.0
+    clock = time.perf_counter
+    last = clock()
+    while worker.is_alive():
+        for i in range(CHUNK):
+            x = (x * 1103515245 + i) & 0xFFFFFFFF
+        n += CHUNK
+        now = clock()
+        if now - last > GAP_S:
+            gaps += 1
+            gap_s += now - last
+        last = now
+    return n, gaps, gap_s
+
+
 def clear_dst(dst: Rank) -> None:
     for t in (dst.kv.kv_buffer, dst.mamba.temporal_buffer, *dst.mamba.conv_buffer):
         t.zero_()
@@ -200,33 +254,49 @@ def run_backend(S, hs, kind: str, args, root: str) -> dict:
         out = {"write_s": write_s, "bytes_per_round_trip": total, "kv_page_bytes": kv_b,
                "mamba_state_bytes": m_b, "modes": {}}
         for mode in ("idle", "busy"):
-            times, wrong, rates = [], 0, []
+            times, wrong, rates, handoffs, gap_times, blocks = [], 0, [], [], [], []
             for _ in range(args.runs):
                 clear_dst(dst)
-                done = []
-                worker = threading.Thread(
-                    target=lambda: done.extend(dst.prefetch(r) for r in range(args.rounds)))
+                done, switches = [], []
+
+                def storage_thread():
+                    v0 = voluntary_switches()
+                    done.extend(dst.prefetch(r) for r in range(args.rounds))
+                    v1 = voluntary_switches()
+                    if v0 is not None and v1 is not None:
+                        switches.append(v1 - v0)
+
+                worker = threading.Thread(target=storage_thread)
                 t0 = time.perf_counter()
                 worker.start()
                 if mode == "busy":
                     # the scheduler is the main thread: pure Python until the storage thread ends
-                    x, n = 1, 0
-                    while worker.is_alive():
-                        for i in range(256):
-                            x = (x * 1103515245 + i) & 0xFFFFFFFF
-                        n += 256
+                    n, gaps, gap_s = busy_loop(worker)
                     rates.append(n / (time.perf_counter() - t0))
+                    handoffs.append(gaps / args.rounds)
+                    gap_times.append(gap_s / args.rounds)
                 worker.join()
                 dt = time.perf_counter() - t0
                 assert done == [args.prefix_pages] * args.rounds, f"{kind} {mode}: hits {done}"
                 times.append(dt)
+                blocks.extend(n / args.rounds for n in switches)
                 wrong += wrong_pages(src, dst, args.rounds)
             med = statistics.median(times)
+            per_round = statistics.median(handoffs) if handoffs else None
+            gap_ms = statistics.median(gap_times) * 1e3 if gap_times else None
+            per_round_blocks = statistics.median(blocks) if blocks else None
             out["modes"][mode] = {"median_s": med, "gbps": total / med / 1e9, "runs_s": times,
                                   "wrong_pages": wrong,
-                                  "loop_rate": statistics.median(rates) if rates else None}
+                                  "loop_rate": statistics.median(rates) if rates else None,
+                                  "gil_gaps_per_round": per_round,
+                                  "gil_gap_ms_per_round": gap_ms,
+                                  "storage_blocks_per_round": per_round_blocks}
+            gil = "GIL gaps/round None" if per_round is None else \
+                f"GIL gaps/round {per_round:.1f} ({gap_ms:.1f} ms)"
+            if per_round_blocks is not None:
+                gil += f", storage-thread blocks/round {per_round_blocks:.1f}"
             log(f"{kind:5s} {mode:4s}: {total / med / 1e9:7.3f} GB/s  ({med:.3f} s for "
-                f"{total / 2**20:.0f} MiB, wrong pages {wrong})")
+                f"{total / 2**20:.0f} MiB, wrong pages {wrong}, {gil})")
         if kind == "mp":
             out["metrics"] = {k: v for k, v in dst.backend.metrics().items()
                               if k.startswith("sidecar")}

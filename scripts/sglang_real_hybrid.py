@@ -85,13 +85,17 @@ def mla_pool(S, *, layout, layers=2, page_size=4, tokens=32, rank=16, rope=4,
 
 
 def mamba_pool(S, *, layers=2, slots=6, temporal=(2, 4, 4), conv=((3, 8),),
-               layout="page_first", device=None):
-    """MambaPoolHost: fp32 temporal + bf16 conv state, each its own memfd."""
+               layout="page_first", extra=(), device=None):
+    """MambaPoolHost: fp32 temporal + bf16 conv state(s), each its own memfd.
+    `extra`: (shape, dtype) of extra checkpoint buffers (the pool's
+    slot_state_buffers: one row per slot, no layer axis), also one memfd each."""
     device = _dev(device)
     info = S.MambaStateBufferInfo(
         temporal=torch.zeros((layers, slots) + tuple(temporal), device=device),
         conv=tuple(torch.zeros((layers, slots) + tuple(c), dtype=torch.bfloat16, device=device)
-                   for c in conv))
+                   for c in conv),
+        extra_checkpoint_buffers=tuple(torch.zeros((slots,) + tuple(shape), dtype=dtype,
+                                                   device=device) for shape, dtype in extra))
     return S.MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=device == "cuda",
                            device="cpu", allocator_type="shm", layout=layout)
 
@@ -127,6 +131,7 @@ def fill_random(pool, gen) -> None:
         if isinstance(t, torch.Tensor):
             tensors.append(t)
     tensors += list(getattr(pool, "conv_buffer", None) or [])
+    tensors += list(getattr(pool, "slot_state_buffers", None) or [])
     for t in tensors:
         raw = t.view(torch.uint8)
         raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))

@@ -9,7 +9,8 @@ from .segment import Segment
 from .geometry import PageGeometry
 from .ring import Ring, RECORD_DTYPE
 from .hostpool import HostPool
+from .partpool import Part, PartPool
 from .wake import WakeSemaphore
 
 __all__ = ["PREFIX", "clean_stale", "new_owner_tag", "Segment", "PageGeometry",
-           "Ring", "RECORD_DTYPE", "HostPool", "WakeSemaphore"]
+           "Ring", "RECORD_DTYPE", "HostPool", "Part", "PartPool", "WakeSemaphore"]

@@ -65,19 +65,22 @@ def aligned(n: int) -> bool:
     return n % ALIGN == 0
 
 
-def geometry_aligned(geometry, num_pages: int) -> bool:
+def geometry_aligned(geometry, num_pages: int, page_runs=None) -> bool:
     """True if every page's runs in the pool start and end on 4096-byte bounds.
 
     The pool mapping itself starts page-aligned (mmap, or an fd mapped at
     offset 0), so the runs' offsets and lengths are all that matter. Aligned
     runs also make the whole file (4096 + payload) a multiple of 4096, which
     O_DIRECT writes need: no ftruncate fix-up is ever required.
+    `page_runs(page)`: the runs where the pool is not the geometry's layout
+    (several regions, shm.partpool: offsets within each region).
     """
     if not aligned(geometry.page_bytes):
         return False
+    runs = page_runs or (lambda page: geometry.page_runs(page, num_pages))
     # Runs repeat with the page index at a fixed stride; pages 0 and 1 show every case.
     for page in range(min(2, num_pages)):
-        for off, length in geometry.page_runs(page, num_pages):
+        for off, length in runs(page):
             if not (aligned(off) and aligned(length)):
                 return False
     return True
@@ -165,7 +168,7 @@ def probe_read(directory: str, why: str) -> tuple[bool | None, str]:
 
 
 def resolve(mode: str, directories, geometry, num_pages: int,
-            max_bytes: int = 0) -> tuple[bool, str]:
+            max_bytes: int = 0, page_runs=None) -> tuple[bool, str]:
     """(use O_DIRECT?, one line saying why) for an engine starting on `directories`
     (one path, or the list a striped store spreads over: each must accept).
 
@@ -192,7 +195,7 @@ def resolve(mode: str, directories, geometry, num_pages: int,
         raise ValueError(f"direct_io must be one of {MODES}, got {mode!r}")
     if mode == "off":
         return False, "direct_io=off"
-    if not geometry_aligned(geometry, num_pages):
+    if not geometry_aligned(geometry, num_pages, page_runs):
         why = (f"page runs of this geometry/layout ({geometry.layout}, {geometry.page_bytes} "
                f"bytes per page) are not multiples of {ALIGN} bytes at {ALIGN}-aligned offsets")
         if mode == "on":

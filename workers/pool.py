@@ -231,11 +231,10 @@ class WorkerPool:
             spec = self.spec.bind(index=index, parent_pid=os.getpid(), read_ring=submit.name,
                                   write_ring=write.name, completion_ring=completion.name,
                                   completion_capacity=completion.capacity, wake_sem=wake.name)
-            # pool_fd (an fd-mapped pool such as SGLang's memfd, which is CLOEXEC):
-            # hand exactly that descriptor to the worker, at the same number.
+            # An fd-mapped pool (SGLang's memfds, which are CLOEXEC): hand exactly
+            # those descriptors to the worker, at the same numbers.
             child = Child("workers.worker", f"hicache_mp-worker-{index}", spec.to_json(),
-                          ready_word=lambda: row[READY_PID],
-                          pass_fds=(spec.pool_fd,) if spec.pool_fd is not None else ())
+                          ready_word=lambda: row[READY_PID], pass_fds=spec.pool_fds())
         except BaseException:
             for r in made:
                 r.close()

@@ -21,6 +21,8 @@ class WorkerSpec:
     pool_name: str
     pool_pages: int
     pool_fd: int | None             # an fd-mapped pool (SGLang's memfd), passed at this number
+    pool_parts: tuple | None        # or a pool of several regions: (fd, offset, stride) per
+                                    # part (shm.partpool), each fd passed at its number
     populate: bool
     verify_checksum: bool
     write_checksum: bool
@@ -58,6 +60,12 @@ class WorkerSpec:
                        orphan_shm=(*self.orphan_shm, read_ring, write_ring, completion_ring),
                        orphan_sem=(*self.orphan_sem, wake_sem))
 
+    def pool_fds(self) -> tuple:
+        """Every descriptor the worker maps its pool from (Popen pass_fds)."""
+        if self.pool_parts is not None:
+            return tuple(sorted({int(p[0]) for p in self.pool_parts}))
+        return () if self.pool_fd is None else (self.pool_fd,)
+
     def to_json(self) -> str:
         if self.index < 0:
             raise ValueError("WorkerSpec is not bound to a worker slot (bind())")
@@ -72,6 +80,8 @@ class WorkerSpec:
             raise ValueError(f"WorkerSpec: unknown fields {sorted(unknown)}")
         raw["orphan_shm"] = tuple(raw["orphan_shm"])
         raw["orphan_sem"] = tuple(raw["orphan_sem"])
+        if raw.get("pool_parts") is not None:
+            raw["pool_parts"] = tuple(tuple(p) for p in raw["pool_parts"])
         spec = cls(**raw)
         if spec.index < 0:
             raise ValueError("WorkerSpec: no worker slot (index)")

@@ -64,6 +64,7 @@ import numpy as np
 
 from shm import PageGeometry, Ring, WakeSemaphore
 from shm.hostpool import HostPool
+from shm.partpool import PartPool
 from workers import pagefile, status
 from workers.child import PARENT_CHECK_S, ParentWatch, child_main, orphan_cleanup
 from workers.lanes import DEFER_POLL_S, Lane, run_lanes
@@ -93,10 +94,15 @@ class Worker:
             verify_crc=spec.verify_checksum, require_crc=spec.require_checksum,
             quarantine=spec.quarantine_bad_files))
         self.batch = spec.worker_batch
-        # pool_fd: the pool is a region the engine did not create (SGLang's memfd host
-        # pool, hicache_mp.integrations.sglang), inherited through Popen(pass_fds=...).
-        self.pool = HostPool(self.geometry, spec.pool_pages, name=spec.pool_name,
-                             create=False, populate=spec.populate, fd=spec.pool_fd)
+        # pool_fd / pool_parts: the pool is a region (or several) the engine did not
+        # create (SGLang's memfd host pools, hicache_mp.integrations), inherited
+        # through Popen(pass_fds=...).
+        if spec.pool_parts is not None:
+            self.pool = PartPool(spec.pool_parts, spec.pool_pages, name=spec.pool_name,
+                                 populate=spec.populate)
+        else:
+            self.pool = HostPool(self.geometry, spec.pool_pages, name=spec.pool_name,
+                                 create=False, populate=spec.populate, fd=spec.pool_fd)
         self.read_ring = Ring(spec.read_ring, spec.ring_capacity, create=False)
         self.write_ring = Ring(spec.write_ring, spec.ring_capacity, create=False)
         self.completion = Ring(spec.completion_ring, spec.completion_capacity, create=False)

@@ -27,10 +27,13 @@ A pool that fits none of these (or whose plan disagrees with its own
 get_data_page size) is moved page by page through its own
 get_data_page / set_from_flat_data_page, as SGLang's `file` backend does.
 
-`zero_copy_region()` says when the workers can read straight into the pool:
-one page-indexed component along dim 0 (one run per page) or along dim 1 of a
-(2, pages, ...) tensor (a K run and a V run), whose tensor is the whole of
-one of the shm allocator's memfds.
+`zero_copy_parts()` says when the workers can read straight into the pool:
+every component page-indexed along dim 0 (one run per page and tensor: a
+Mamba state's temporal, conv and slot-state buffers), or one (2, pages, ...)
+tensor along dim 1 (a K run and a V run), each tensor the whole of one of the
+shm allocator's memfds. The workers then map every memfd and a page is one
+run per part (shm.partpool); the scheduler's process makes no torch call per
+component or page.
 """
 from __future__ import annotations
 
@@ -195,23 +198,46 @@ def _mapping_address(mm) -> int | None:
         return None
 
 
-def zero_copy_region(host_pool, layout) -> tuple[int | None, int, str]:
-    """(memfd, pages, "") where workers can map the pool's one page tensor, else
-    (None, 0, why not)."""
-    if not isinstance(layout, BatchLayout) or len(layout.components) != 1:
-        return None, 0, "a page spans several tensors (or an unknown layout)"
-    c = layout.components[0]
+def zero_copy_parts(host_pool, layout) -> tuple[list | None, int, str]:
+    """([(memfd, offset, stride) per part], pages, "") where workers can map the
+    pool's page tensors and read a page as one run of each part
+    (shm.partpool), else (None, 0, why not).
+
+    Each component must be page-major (one whole page per index along dim 0,
+    or a (2, pages, ...) K/V tensor: two parts on one memfd), contiguous, and
+    the whole of one of the shm allocator's memfds (matched by base address:
+    the allocator appends one fd per tensor, in allocation order, but a pool
+    may skip empty tensors). The parts follow the components, which follow
+    SGLang's flat page order, so a file written either way reads the other.
+    """
+    if not isinstance(layout, BatchLayout) or not layout.components:
+        return None, 0, "an unknown layout (moved page by page)"
     P = int(getattr(host_pool, "page_size", 1) or 1)
-    page_major = c.length == 1 and c.div == P and (
-        c.dim == 0 or (c.dim == 1 and layout.kv_runs == 2))
-    if not page_major or not c.tensor.is_contiguous():
-        return None, 0, "its pages are not whole runs of a page-major tensor"
     alloc = getattr(host_pool, "allocator", None)
     fds, mms = list(getattr(alloc, "fds", None) or []), list(getattr(alloc, "mms", None) or [])
-    base = c.tensor.data_ptr()
+    by_base = {}
     for fd, mm in zip(fds, mms):
-        if _mapping_address(mm) == base:
-            if os.fstat(fd).st_size < c.tensor.numel():
-                return None, 0, "its memfd is smaller than the pool"
-            return fd, int(c.tensor.shape[c.dim]), ""
-    return None, 0, "the pool has no memfd (SGLang's default allocator)"
+        base = _mapping_address(mm)
+        if base is not None and fd is not None:
+            by_base[base] = fd
+    parts, pages = [], None
+    for c in layout.components:
+        kv_tensor = c.dim == 1 and c.tensor.shape[0] == 2 and len(layout.components) == 1
+        if not (c.length == 1 and c.div == P and (c.dim == 0 or kv_tensor)) \
+                or not c.tensor.is_contiguous():
+            return None, 0, "its pages are not whole runs of page-major tensors"
+        n = int(c.tensor.shape[c.dim])
+        if pages not in (None, n):
+            return None, 0, "its tensors hold different numbers of pages"
+        pages = n
+        fd = by_base.get(c.tensor.data_ptr())
+        if fd is None:
+            return None, 0, "the pool has no memfd (SGLang's default allocator)"
+        if os.fstat(fd).st_size < c.tensor.numel():
+            return None, 0, "its memfd is smaller than the pool"
+        if c.dim == 0:
+            parts.append((fd, 0, c.page_bytes))
+        else:
+            half = c.page_bytes // 2
+            parts += [(fd, 0, half), (fd, n * half, half)]
+    return parts, pages, ""

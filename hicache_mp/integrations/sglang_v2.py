@@ -7,13 +7,18 @@ and the page moves of `batch_get_v2` / `batch_set_v2`. Must not touch the KV
 pool's own engine beyond asking the backend for KV presence and v1 I/O.
 
 Each sidecar pool gets its own engine: a batch is one engine op per pool.
-Where the pool is one page-major tensor on a memfd ("allocator": "shm"; the
-DSA indexer, MHA/MLA pools in page_first_direct) the workers map it and
-read/write its pages in place (zero-copy, as for KV). Otherwise (a Mamba
-state is several tensors, each its own memfd; token-major layouts) they go
-through an engine-owned shared-memory staging pool, and the pages move
-between it and SGLang's pool with a few batched torch copies
-(`sglang_sidecar`), never a Python loop over pages where the layout is known.
+Where the pool's page is whole runs of page-major tensors on memfds
+("allocator": "shm"; a Mamba state's temporal, conv and slot-state buffers,
+the DSA indexer, MHA/MLA pools in page_first_direct) the workers map every
+memfd and read/write its pages in place (zero-copy, as for KV;
+shm.partpool): the scheduler's process then makes no torch call per page or
+component, only one index conversion per batch and the wait. Every torch
+call releases the GIL, and with a busy scheduler thread each release can
+cost a switch interval (5 ms) to get it back. Otherwise (SGLang's default
+allocator; token-major layouts) they go through an engine-owned
+shared-memory staging pool, and the pages move between it and SGLang's pool
+with a few batched torch copies per component (`sglang_sidecar`), never a
+Python loop over pages where the layout is known.
 
 Page identity: the key is `{hash}.{pool}` as in SGLang's `file` backend, and
 the engine's namespace holds the pool name and the page's byte layout, so the
@@ -62,6 +67,17 @@ def policy_name(policy) -> str:
     return str(getattr(policy, "value", policy))
 
 
+def _as_numpy(indices) -> np.ndarray:
+    """Host indices as a numpy array: on a CPU tensor (SGLang's host indices
+    are) one `.numpy()`, a view that releases no GIL; no `.cpu()` or `.to()`,
+    each of which would."""
+    if isinstance(indices, torch.Tensor):
+        if indices.device.type != "cpu":
+            indices = indices.cpu()
+        return indices.numpy()
+    return np.asarray(indices)
+
+
 class _Slots:
     """Free staging slots of one sidecar engine."""
 
@@ -89,11 +105,12 @@ class SidecarPool:
     """One registered sidecar pool: its layout, engine and staging slots."""
 
     def __init__(self, name: str, host_pool, layout, engine: PrefetchEngine, zero_copy: bool,
-                 probe_wait_s: float = 0.0):
+                 probe_wait_s: float = 0.0, parts: int = 0):
         self.probe_wait_s = probe_wait_s
         self.name, self.host_pool, self.layout, self.engine = name, host_pool, layout, engine
         self.page_size = int(getattr(host_pool, "page_size", 1) or 1)
         self.zero_copy = zero_copy
+        self.parts = parts          # runs per page in the mapped memfds (zero-copy)
         pages = engine.config.host_pool_pages
         self.staging = None if zero_copy else \
             engine.host_pool.tensor.view(torch.uint8).reshape(pages, layout.page_bytes)
@@ -121,16 +138,18 @@ class SidecarPool:
         return torch.empty(len(slots), self.layout.page_bytes, dtype=torch.uint8), \
             torch.tensor(slots, dtype=torch.int64)
 
-    def _pages(self, index: torch.Tensor) -> list[int]:
-        return (index // self.layout.components[0].div).tolist()
+    def _pages(self, index: np.ndarray) -> np.ndarray:
+        return index // self.layout.components[0].div
 
-    def read(self, keys, index: torch.Tensor, wait) -> list[bool]:
-        """Read pages into the host pool; only the leading run of landed pages counts."""
+    def read(self, keys, index: np.ndarray, wait) -> list[bool]:
+        """Read pages into the host pool; only the leading run of landed pages counts.
+        `index`: each page's first host index (numpy int64)."""
         if self.zero_copy:
             op = self.engine.prefetch([self.key(k) for k in keys], self._pages(index),
                                       policy="wait_complete")
             wait(self.engine, op)
             return [i < op.completed_pages for i in range(len(keys))]
+        index = torch.from_numpy(index)
         done = 0
         while done < len(keys):
             slots = self.slots.take(len(keys) - done)
@@ -150,16 +169,16 @@ class SidecarPool:
                 break
         return [i < done for i in range(len(keys))]
 
-    def write(self, keys, index: torch.Tensor, wait) -> list[bool]:
+    def write(self, keys, index: np.ndarray, wait) -> list[bool]:
         """Write pages not yet stored; per key whether its page is in the store."""
         ok = self.present(keys)
         todo = np.flatnonzero(~ok)
         if self.zero_copy and len(todo):
-            pages = self._pages(index)
-            op = self.engine.backup([self.key(keys[i]) for i in todo], [pages[i] for i in todo])
+            op = self.engine.backup([self.key(keys[i]) for i in todo], self._pages(index[todo]))
             wait(self.engine, op)
             ok[todo] = op.page_status == st.OK
             return ok.tolist()
+        index = torch.from_numpy(index)
         pos = 0
         while pos < len(todo):
             slots = self.slots.take(len(todo) - pos)
@@ -211,14 +230,14 @@ class HybridPools:
         engine = None
         try:
             layout = sglang_sidecar.plan(host_pool)
-            fd, pages, why = sglang_sidecar.zero_copy_region(host_pool, layout)
-            if fd is not None and not self.backend.own.zero_copy:
-                fd, why = None, '"zero_copy": false in the extra-config'
-            g = self._geometry(layout, zero_copy=fd is not None)
-            engine = PrefetchEngine(self._config(name, layout, pages if fd is not None else 0),
-                                    g, pool_fd=fd)
-            pool = SidecarPool(name, host_pool, layout, engine, zero_copy=fd is not None,
-                               probe_wait_s=self.backend.own.probe_wait_s)
+            parts, pages, why = sglang_sidecar.zero_copy_parts(host_pool, layout)
+            if parts is not None and not self.backend.own.zero_copy:
+                parts, why = None, '"zero_copy": false in the extra-config'
+            engine = PrefetchEngine(self._config(name, layout, pages if parts else 0),
+                                    self._geometry(layout), pool_parts=parts)
+            pool = SidecarPool(name, host_pool, layout, engine, zero_copy=parts is not None,
+                               probe_wait_s=self.backend.own.probe_wait_s,
+                               parts=len(parts or ()))
         except Exception as exc:
             if engine is not None:
                 engine.close()
@@ -232,19 +251,21 @@ class HybridPools:
             self.pools[name] = pool
         log.info("hicache_mp: sidecar pool %r: %s, %d-byte pages, %s, %d workers", name,
                  layout.kind, layout.page_bytes,
-                 "zero-copy" if pool.zero_copy else
+                 ("zero-copy, %d runs per page" % pool.parts) if pool.zero_copy else
                  ("staged, batched copies (%s)" % why) if layout.batched else
                  "staged, page-by-page copies", engine.worker_count())
 
     @staticmethod
-    def _geometry(layout, *, zero_copy: bool) -> PageGeometry:
-        # Opaque bytes (the byte meaning is in the namespace): one run per page,
-        # or a K and a V run. The fingerprint ignores the layout, so a page
-        # written zero-copy reads staged and back.
+    def _geometry(layout) -> PageGeometry:
+        # Opaque bytes (the byte meaning is in the namespace). Only the page size
+        # and the fingerprint count: where the pages lie in a zero-copy pool is
+        # its parts' business (shm.partpool), and a staging pool is page_first
+        # in the same flat order, so a page written zero-copy reads staged and
+        # back. (K/V tensors keep their 2-run geometry: its fingerprint names
+        # the files already stored.)
         if layout.kv_runs == 2:
             return PageGeometry(num_layers=1, num_kv_heads=1, head_dim=layout.page_bytes // 2,
-                                page_size=1, dtype="uint8",
-                                layout="page_first_direct" if zero_copy else "page_first")
+                                page_size=1, dtype="uint8", layout="page_first")
         return PageGeometry(num_layers=1, num_kv_heads=1, head_dim=layout.page_bytes,
                             page_size=1, dtype="uint8", layout="page_first", mla=True)
 
@@ -335,15 +356,15 @@ class HybridPools:
                 out[t.name] = list(fn(keys, t.host_indices))
                 continue
             pool = self.pools.get(name)
-            idx = t.host_indices
-            if pool is None or idx is None or idx.numel() != len(keys) * pool.page_size:
+            idx = None if t.host_indices is None else _as_numpy(t.host_indices)
+            if pool is None or idx is None or idx.size != len(keys) * pool.page_size:
                 log.error("hicache_mp: %s v2 transfer for pool %r: %s", "set" if write else
                           "get", name, "pool not served" if pool is None else
                           f"{len(keys)} keys need {len(keys) * pool.page_size} host indices, "
-                          f"got {0 if idx is None else idx.numel()}")
+                          f"got {0 if idx is None else idx.size}")
                 out[t.name] = [False] * len(keys)
                 continue
-            index = idx.reshape(-1)[::pool.page_size].to(torch.int64).cpu()
+            index = idx.reshape(-1)[::pool.page_size].astype(np.int64)
             fn = pool.write if write else pool.read
             out[t.name] = fn(keys, index, self.backend._wait_on)
         return out
@@ -355,6 +376,7 @@ class HybridPools:
     def metrics(self) -> dict:
         return {"sidecar_pools": {n: {"layout": p.layout.describe(),
                                       "zero_copy": p.zero_copy,
+                                      "parts": p.parts,
                                       "batched": p.layout.batched,
                                       "page_bytes": p.layout.page_bytes,
                                       "workers": p.engine.worker_count()}

@@ -28,6 +28,12 @@ def test_hybrid_prefetch_is_byte_exact_on_both_backends(tmp_path):
     for r in res["backends"].values():
         assert set(r["modes"]) == {"idle", "busy"}
         assert all(m["gbps"] > 0 for m in r["modes"].values())
+        # the GIL figures: gaps only where a busy loop ran, blocks in both modes
+        assert r["modes"]["idle"]["gil_gaps_per_round"] is None
+        assert r["modes"]["busy"]["gil_gaps_per_round"] >= 0
+        assert r["modes"]["busy"]["gil_gap_ms_per_round"] >= 0
+        assert all(m["storage_blocks_per_round"] >= 0 for m in r["modes"].values())
     mp = res["backends"]["mp"]["metrics"]
     assert mp["sidecar_pools"]["mamba"]["batched"] and mp["sidecar_unserved"] == {}
+    assert mp["sidecar_pools"]["mamba"]["zero_copy"] and mp["sidecar_pools"]["mamba"]["parts"] == 2
     assert os.path.getsize(tmp_path / "h.json") > 0

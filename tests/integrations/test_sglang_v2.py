@@ -429,9 +429,9 @@ def test_reattach_registers_again_and_close_leaves_nothing(make, stacks, store):
 def test_page_major_memfd_pools_are_zero_copy_and_their_files_read_staged(make, stacks,
                                                                           tmp_path):
     """DSA indexer (page_first) and MHA/MLA page_first_direct pools are one
-    page-major tensor on a memfd: read and written in place. A Mamba state (two
-    memfds) and token-major layouts are staged. A page written zero-copy reads
-    back on the staged path ("zero_copy": false) byte for byte, and back."""
+    page-major tensor on a memfd, a Mamba state two (temporal, conv): read and
+    written in place. Token-major layouts are staged. A page written zero-copy
+    reads back on the staged path ("zero_copy": false) byte for byte, and back."""
     keys = keys_for(3)
     src = stacks(0)
     swa_d = CpuMHAHostPool(layout="page_first_direct", page_size=P, pages=12, layer_num=2)
@@ -448,7 +448,7 @@ def test_page_major_memfd_pools_are_zero_copy_and_their_files_read_staged(make, 
         b.register_mem_host_pool_v2(mla_d, PoolName.DEEPSEEK_V4_C128)
         zc = {n: p["zero_copy"] for n, p in b.metrics()["sidecar_pools"].items()}
         assert zc == {"indexer": True, "draft_swa": True, "deepseek_v4_c128": True,
-                      "mamba": False, "swa": False, "deepseek_v4_c4": False}
+                      "mamba": True, "swa": False, "deepseek_v4_c4": False}
         w = b.batch_set_v2([tok_t(PoolName.INDEXER, src.indexer, keys, [1, 2, 3]),
                             tok_t(PoolName.DRAFT_SWA, swa_d, keys, [1, 2, 3]),
                             tok_t(PoolName.DEEPSEEK_V4_C128, mla_d, keys, [1, 2, 3])])

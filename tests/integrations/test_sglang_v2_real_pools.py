@@ -115,6 +115,7 @@ def test_same_answers_and_bytes_as_file_on_real_pools(make, tmp_path):  # noqa: 
         assert torch.equal(page_bytes(dst_f.mamba, slot), page_bytes(dst_m.mamba, slot))
     pools = mb2.metrics()["sidecar_pools"]
     assert all(p["batched"] for p in pools.values())
-    # the real DSAIndexerPoolHost (page_first) is one page-major memfd: zero-copy
+    # the real DSAIndexerPoolHost (page_first) is one page-major memfd, the real
+    # MambaPoolHost two (temporal, conv): both zero-copy
     assert {n: p["zero_copy"] for n, p in pools.items()} == {
-        "mamba": False, "swa": False, "indexer": True, "deepseek_v4_c4": False}
+        "mamba": True, "swa": False, "indexer": True, "deepseek_v4_c4": False}
