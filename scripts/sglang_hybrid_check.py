@@ -39,6 +39,9 @@ The GIL, two figures per prefetch round (their medians over --runs):
   A hand-off is only seen from the side that waits, so the busy loop's gaps
   cannot count it: the storage thread takes the GIL for a few microseconds
   between two releases.
+- scheduler preemptions (busy mode): the busy thread's involuntary context
+  switches, the gaps that were the OS's and not the GIL's (a machine with
+  fewer free cores than workers + 2).
 
     PYTHONPATH=. python3 scripts/sglang_hybrid_check.py --json $OUT/hybrid.json
     # small CPU smoke run:
@@ -206,20 +209,23 @@ def wrong_pages(src: Rank, dst: Rank, rounds: int) -> int:
     return bad
 
 
-def voluntary_switches() -> int | None:
-    """This thread's voluntary context switches so far (Linux), else None."""
+def context_switches(kind: str = "voluntary") -> int | None:
+    """This thread's `kind` ("voluntary" or "nonvoluntary") context switches so
+    far (Linux), else None."""
     try:
         with open(f"/proc/self/task/{threading.get_native_id()}/status") as f:
             for line in f:
-                if line.startswith("voluntary_ctxt_switches:"):
+                if line.startswith(f"{kind}_ctxt_switches:"):
                     return int(line.split()[1])
     except OSError:
         pass
     return None
 
 
-def busy_loop(worker: threading.Thread) -> tuple[int, int, float]:
-    """The scheduler: pure Python until `worker` ends. (iterations, GIL gaps, gap seconds)."""
+def busy_loop(worker: threading.Thread) -> tuple[int, int, float, int | None]:
+    """The scheduler: pure Python until `worker` ends.
+    (iterations, GIL gaps, gap seconds, times the OS preempted it)."""
+    pre = context_switches("nonvoluntary")
     x, n, gaps, gap_s = 1, 0, 0, 0.0
     clock = time.perf_counter
     last = clock()
@@ -232,7 +238,8 @@ def busy_loop(worker: threading.Thread) -> tuple[int, int, float]:
             gaps += 1
             gap_s += now - last
         last = now
-    return n, gaps, gap_s
+    post = context_switches("nonvoluntary")
+    return n, gaps, gap_s, None if pre is None or post is None else post - pre
 
 
 def clear_dst(dst: Rank) -> None:
@@ -254,15 +261,15 @@ def run_backend(S, hs, kind: str, args, root: str) -> dict:
         out = {"write_s": write_s, "bytes_per_round_trip": total, "kv_page_bytes": kv_b,
                "mamba_state_bytes": m_b, "modes": {}}
         for mode in ("idle", "busy"):
-            times, wrong, rates, handoffs, gap_times, blocks = [], 0, [], [], [], []
+            times, wrong, rates, handoffs, gap_times, blocks, preempt = [], 0, [], [], [], [], []
             for _ in range(args.runs):
                 clear_dst(dst)
                 done, switches = [], []
 
                 def storage_thread():
-                    v0 = voluntary_switches()
+                    v0 = context_switches()
                     done.extend(dst.prefetch(r) for r in range(args.rounds))
-                    v1 = voluntary_switches()
+                    v1 = context_switches()
                     if v0 is not None and v1 is not None:
                         switches.append(v1 - v0)
 
@@ -271,7 +278,9 @@ def run_backend(S, hs, kind: str, args, root: str) -> dict:
                 worker.start()
                 if mode == "busy":
                     # the scheduler is the main thread: pure Python until the storage thread ends
-                    n, gaps, gap_s = busy_loop(worker)
+                    n, gaps, gap_s, pre = busy_loop(worker)
+                    if pre is not None:
+                        preempt.append(pre / args.rounds)
                     rates.append(n / (time.perf_counter() - t0))
                     handoffs.append(gaps / args.rounds)
                     gap_times.append(gap_s / args.rounds)
@@ -285,16 +294,20 @@ def run_backend(S, hs, kind: str, args, root: str) -> dict:
             per_round = statistics.median(handoffs) if handoffs else None
             gap_ms = statistics.median(gap_times) * 1e3 if gap_times else None
             per_round_blocks = statistics.median(blocks) if blocks else None
+            per_round_preempt = statistics.median(preempt) if preempt else None
             out["modes"][mode] = {"median_s": med, "gbps": total / med / 1e9, "runs_s": times,
                                   "wrong_pages": wrong,
                                   "loop_rate": statistics.median(rates) if rates else None,
                                   "gil_gaps_per_round": per_round,
                                   "gil_gap_ms_per_round": gap_ms,
-                                  "storage_blocks_per_round": per_round_blocks}
+                                  "storage_blocks_per_round": per_round_blocks,
+                                  "scheduler_preemptions_per_round": per_round_preempt}
             gil = "GIL gaps/round None" if per_round is None else \
                 f"GIL gaps/round {per_round:.1f} ({gap_ms:.1f} ms)"
             if per_round_blocks is not None:
                 gil += f", storage-thread blocks/round {per_round_blocks:.1f}"
+            if per_round_preempt is not None:
+                gil += f", scheduler preempted/round {per_round_preempt:.1f}"
             log(f"{kind:5s} {mode:4s}: {total / med / 1e9:7.3f} GB/s  ({med:.3f} s for "
                 f"{total / 2**20:.0f} MiB, wrong pages {wrong}, {gil})")
         if kind == "mp":
