@@ -85,7 +85,7 @@ class PrefetchEngine(EngineCore):
     backend = "mp"
 
     def __init__(self, config: EngineConfig, geometry: PageGeometry, *, pool_fd: int | None = None,
-                 pool_parts=None):
+                 pool_parts=None, aux_workers: int | None = None):
         """`pool_fd`: map this region as the host pool instead of creating one.
 
         For pools that someone else owns, e.g. SGLang's memfd host pool
@@ -100,6 +100,11 @@ class PrefetchEngine(EngineCore):
         Mamba state, one memfd per tensor). Same ownership rules as pool_fd;
         the strides must add up to the geometry's page bytes. Such a pool has
         no `tensor` view: its pages are only moved by the workers.
+
+        `aux_workers`: this engine is an auxiliary of another in this process
+        (a hybrid model's sidecar pool): with auto workers it takes at most
+        this many from the node's budget and counts as no scheduler there
+        (hicache_mp.nodeshare).
         """
         super().__init__(config, geometry)
         self.stale_removed = clean_stale()
@@ -133,7 +138,7 @@ class PrefetchEngine(EngineCore):
         if config.num_workers:
             workers = config.num_workers
         else:  # auto: this engine's share of the node's cores (decision 42)
-            share = NodeShare(config.node_engines)
+            share = NodeShare(config.node_engines, aux_cap=aux_workers)
             workers = share.workers
         ring_capacity = config.resolved_ring_capacity(workers)
         # Everything this engine puts in /dev/shm, counted before any of it is made:

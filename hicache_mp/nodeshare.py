@@ -16,6 +16,12 @@ engines registered plus this one. An engine never takes more than what the
 live ones left free, and always at least one worker. Engines already running
 keep their count: a later engine that was not announced by `node_engines`
 gets what is left (decision 42).
+
+An auxiliary engine (`aux_cap`: a hybrid model's sidecar-pool engine, in the
+same process as its rank's KV engine, so no scheduler core of its own) is
+no engine in that count: it takes at most `aux_cap` workers from what the
+others left free (at least one), and its workers count as taken for every
+engine registering after it.
 """
 from __future__ import annotations
 
@@ -63,16 +69,27 @@ def _held(path: str) -> bool:
     return False
 
 
-def _read_workers(path: str) -> int:
+def _read_entry(path: str) -> tuple[int, bool]:
+    """(workers, auxiliary?) of one registry file."""
     try:
         with open(path) as f:
-            return int(f.read().split()[0])
+            words = f.read().split()
+        return int(words[0]), words[1:2] == ["aux"]
     except (OSError, ValueError, IndexError):
-        return 0
+        return 0, False
+
+
+def _read_workers(path: str) -> int:
+    return _read_entry(path)[0]
+
+
+def _live_entries(node_dir: str) -> dict[str, tuple[int, bool]]:
+    return {name: _read_entry(os.path.join(node_dir, name)) for name in live_shares(node_dir)}
 
 
 def live_shares(node_dir: str, *, prune: bool = True) -> dict[str, int]:
-    """{entry: workers} of the live engines; dead engines' entries are removed."""
+    """{entry: workers} of the live engines (auxiliary ones too); dead engines'
+    entries are removed."""
     out = {}
     try:
         names = os.listdir(node_dir)
@@ -102,7 +119,7 @@ class NodeShare:
     """One engine's registration; `workers` is its share. close() frees it."""
 
     def __init__(self, node_engines: int = 0, *, directory: str | None = None,
-                 cores: int | None = None):
+                 cores: int | None = None, aux_cap: int | None = None):
         self.node_dir = where = directory or node_dir()
         self.path = None
         self._fd = -1
@@ -117,21 +134,27 @@ class NodeShare:
                 fcntl.flock(dfd, fcntl.LOCK_EX)
                 if not _same_dir(dfd, where):  # removed (and maybe re-made) meanwhile
                     continue
-                live = live_shares(where)
-                engines = max(len(live) + 1, int(node_engines or 0))
-                self.workers = budget_share(cores, engines, sum(live.values()))
-                self._register()
+                live = _live_entries(where)
+                taken = sum(w for w, _ in live.values())
+                schedulers = sum(1 for _, aux in live.values() if not aux)
+                if aux_cap:
+                    engines = max(schedulers, int(node_engines or 0), 1)
+                    self.workers = max(1, min(int(aux_cap), cores - engines - taken))
+                else:
+                    engines = max(schedulers + 1, int(node_engines or 0))
+                    self.workers = budget_share(cores, engines, taken)
+                self._register(aux=bool(aux_cap))
                 self.engines, self.cores = engines, cores
                 return
             finally:
                 os.close(dfd)
         raise RuntimeError(f"hicache_mp: cannot register in {where}")
 
-    def _register(self) -> None:
+    def _register(self, aux: bool) -> None:
         path = os.path.join(self.node_dir, f"{os.getpid()}.{secrets.token_hex(4)}")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX)
-        os.write(fd, f"{self.workers}\n".encode())
+        os.write(fd, f"{self.workers}{' aux' if aux else ''}\n".encode())
         self.path, self._fd = path, fd
 
     def close(self) -> None:

@@ -121,3 +121,28 @@ def test_bad_core_override_is_refused_before_any_worker(node, store, monkeypatch
     with pytest.raises(ValueError, match=NODE_CORES_ENV):
         PrefetchEngine(EngineConfig(storage_dir=store, num_workers=0, host_pool_pages=8), GEO)
     assert not os.path.exists(node)
+
+
+def test_auxiliary_engines_take_from_the_budget_but_are_no_schedulers(node):
+    """A hybrid model's sidecar engines (aux_cap) live in their rank's process:
+    their workers count as taken, but they add no scheduler to the count."""
+    shares = []
+    try:
+        def share(**kw):
+            shares.append(NodeShare(2, directory=node, cores=12, **kw))
+            return shares[-1].workers
+
+        assert share() == 5                  # rank 0's KV engine: (12 - 2) // 2
+        assert share(aux_cap=2) == 2         # its Mamba engine: 5 of the 10 are free
+        assert shares[-1].engines == 2       # ... and it is no third scheduler
+        assert share() == 3                  # rank 1's KV engine: what is left
+        assert share(aux_cap=2) == 1         # none left: still one, never none
+        live = live_shares(node, prune=False)
+        assert sorted(live.values()) == [1, 2, 3, 5]
+        late = NodeShare(0, directory=node, cores=12)   # 2 schedulers, not 4
+        shares.append(late)
+        assert late.engines == 3
+    finally:
+        for s in shares:
+            s.close()
+    assert not os.path.exists(node)

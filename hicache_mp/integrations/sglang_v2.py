@@ -234,7 +234,8 @@ class HybridPools:
             if parts is not None and not self.backend.own.zero_copy:
                 parts, why = None, '"zero_copy": false in the extra-config'
             engine = PrefetchEngine(self._config(name, layout, pages if parts else 0),
-                                    self._geometry(layout), pool_parts=parts)
+                                    self._geometry(layout), pool_parts=parts,
+                                    aux_workers=SIDECAR_WORKERS)
             pool = SidecarPool(name, host_pool, layout, engine, zero_copy=parts is not None,
                                probe_wait_s=self.backend.own.probe_wait_s,
                                parts=len(parts or ()))
@@ -277,7 +278,9 @@ class HybridPools:
         names = {}
         if name == MAMBA:   # TP-sharded even when the KV is MLA (replicated)
             names = {"tp_rank": b.shard.tp_rank, "tp_size": b.shard.tp_size}
-        workers = min(SIDECAR_WORKERS, cfg.num_workers) if cfg.num_workers else SIDECAR_WORKERS
+        # auto (0): up to SIDECAR_WORKERS from the node's budget, as an auxiliary
+        # of this rank's KV engine (aux_workers)
+        workers = min(SIDECAR_WORKERS, cfg.num_workers) if cfg.num_workers else 0
         return dataclasses.replace(
             cfg, num_workers=workers, **names,
             namespace_extra=f"{cfg.namespace_extra}|pool={name}|{layout.describe()}")

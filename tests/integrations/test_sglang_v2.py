@@ -478,3 +478,25 @@ def test_page_major_memfd_pools_are_zero_copy_and_their_files_read_staged(make, 
     finally:
         for p in (swa_d, mla_d, dst_swa, dst_mla):
             p.close()
+
+
+def test_sidecar_engines_count_against_the_node_budget(make, stacks, tmp_path, monkeypatch):
+    """With auto workers, each sidecar engine registers in the node's budget as
+    an auxiliary of its rank (hicache_mp.nodeshare): at most 2 workers, taken
+    from what the KV engine left, never a scheduler of its own."""
+    from hicache_mp.nodeshare import NODE_CORES_ENV, NODE_DIR_ENV, live_shares
+    node = str(tmp_path / "node")
+    monkeypatch.setenv(NODE_DIR_ENV, node)
+    monkeypatch.setenv(NODE_CORES_ENV, "16")
+    b = make("mp", stacks(0), num_workers=0, node_engines=2)
+    kv_workers = b.engine.worker_count()
+    assert kv_workers == 7                               # (16 - 2 schedulers) // 2
+    side = {n: p["workers"] for n, p in b.metrics()["sidecar_pools"].items()}
+    assert set(side) == {"mamba", "swa", "indexer", "deepseek_v4_c4"}
+    # registered one by one: 2, 2, 2 of the 7 left, then the minimum of one
+    assert sorted(side.values()) == [1, 2, 2, 2], side
+    live = live_shares(node, prune=False)
+    assert len(live) == 1 + len(side)
+    assert sum(live.values()) == kv_workers + sum(side.values()) == 16 - 2   # the budget
+    b.close()
+    assert not os.path.exists(node)
