@@ -81,7 +81,7 @@ WRITE_SHARE_HELP = ("while reads wait (prefetches queued or in flight at any wor
                     "backups go at full speed. Between 0 and 1, exclusive")
 IO_DEPTH_HELP = ("page I/Os each worker keeps in flight (threads inside the worker process; "
                  "preadv/pwritev release the GIL); reads stay first and at most one write per "
-                 "worker runs beside them. 0 = auto: 2 with O_DIRECT, where the device's queue "
+                 "worker runs beside them (at depth 1 too, on a thread of its own). 0 = auto: 2 with O_DIRECT, where the device's queue "
                  "is the limit (H200 box: write-through 1.2-1.3x at 15 workers), 1 with buffered "
                  "I/O, where each I/O is a page-cache copy on a core and more threads than cores "
                  "only contend. Total depth is workers x this")

@@ -2,7 +2,8 @@
 
 Owns the lane threads of a worker and the dispatch that feeds them when
 `io_depth` > 1: per-lane aligned buffers (`Lane`) and `run_lanes`, which
-replaces the worker's inline loop. Must not do I/O or judge pages itself:
+replaces the worker's inline loop; at depth 1, the inline loop's write lane
+(`WriteLane`: its one write in flight, beside the loop's reads). Must not do I/O or judge pages itself:
 each record goes through `Worker.serve`, as in the inline loop.
 
 Why threads inside the worker: preadv/pwritev release the GIL, so lanes of
@@ -63,6 +64,46 @@ class Lane:
         self.overflow = self.scratch[directio.ALIGN:directio.ALIGN + spare]
         self.write_header = self.scratch[2 * directio.ALIGN:3 * directio.ALIGN]
         self.out = np.zeros(1, dtype=RECORD_DTYPE)
+
+
+class WriteLane:
+    """The inline loop's (io_depth 1) write thread: the worker's one write in
+    flight runs here, so the reads of a prefetch that arrives meanwhile are
+    served by the loop at once instead of waiting for the write to finish
+    (a page write can take the time of twenty page-cache reads). Posts the
+    worker's wake semaphore when a write is done, so the loop can start the
+    next one."""
+
+    def __init__(self, worker):
+        self.w = worker
+        self.lane = Lane(worker.direct, 1)  # heartbeat slot 1: the loop's own is 0
+        self.busy = False
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="io-write", daemon=True)
+        self._thread.start()
+
+    def start(self, rec) -> None:
+        self.busy = True
+        self._work.put(rec)
+
+    def close(self) -> None:
+        """Let the write in flight finish, then end the thread."""
+        self._work.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            rec = self._work.get()
+            if rec is None:
+                return
+            try:
+                self.w.serve(rec, self.lane)
+            except BaseException:
+                traceback.print_exc()
+                sys.stderr.flush()
+                os._exit(70)  # as a lane: the engine fails this worker's pages
+            self.busy = False
+            self.w.wake.post()
 
 
 class _Dispatch:

@@ -13,9 +13,10 @@ status for each.
 
 Two submit rings per worker: `read_ring` (prefetch) and `write_ring`
 (backup). Reads come first: a prefetch is on a request's critical path, a
-backup is not. Writes are taken one at a time, and the read ring is looked at
-(one load) before each, so a read that arrives behind a burst of backups
-waits for at most one page write. Reads come first across the engine too: a
+backup is not. Writes are taken one at a time, on the worker's write lane
+(workers.lanes.WriteLane, a thread: a page write can take the time of twenty
+page-cache reads), so a read that arrives while a write is in flight is
+served at once, beside it. Reads come first across the engine too: a
 worker with no read of its own treats a write as taken from reads while any
 worker still has reads outstanding (workers.control), because on one device
 every byte written is bandwidth a read does not get (figures:
@@ -28,10 +29,11 @@ every read served while they wait, and a write deferred for
 WRITE_DEFER_MAX_S by reads at other workers goes whatever those reads.
 
 Loop, with one exit path:
-  1. pop up to `batch` records from the read ring; do each (after each, one
-     queued write if the credit covers it);
-  2. else, if it is a write's turn (`write_turn`), pop one record from the
-     write ring and do it;
+  1. pop up to `batch` records from the read ring; do each (after each,
+     start one queued write if none is in flight and the credit covers it);
+  2. else, if it is a write's turn (`write_turn`) and no write is in
+     flight, pop one record from the write ring and start it on the write
+     lane (which posts the wake semaphore when it is done);
   3. if neither had work: sleep on the wake semaphore (timeout: parent
      watch; DEFER_POLL_S while a write is deferred), go to 1;
   4. each record (`serve`): skip if its op is cancelled, else `start` its
@@ -67,7 +69,7 @@ from shm.hostpool import HostPool
 from shm.partpool import PartPool
 from workers import pagefile, status
 from workers.child import PARENT_CHECK_S, ParentWatch, child_main, orphan_cleanup
-from workers.lanes import DEFER_POLL_S, Lane, run_lanes
+from workers.lanes import DEFER_POLL_S, Lane, WriteLane, run_lanes
 from workers.records import KIND_PROBE, KIND_READ, KIND_WRITE
 from workers.share import WriteShare
 from workers.spec import WorkerSpec
@@ -138,26 +140,32 @@ class Worker:
         return self.parent.gone()
 
     def _run_inline(self) -> bool:
-        """The loop of the module docstring, one I/O at a time; True if orphaned."""
-        while not self.control.stopping():
-            if self.parent_gone():
-                return True
-            records = self.read_ring.pop(self.batch)
-            if len(records):
-                for rec in records:
-                    self.serve(rec, self.lane)
-                    if self.write_ring.pending() and self.write_turn(True):
-                        self._one_write(True)  # reads first, but writes are never starved
-                continue
-            if self.write_ring.pending():
-                paid = self.write_turn(False)
-                if paid is None:
-                    self.wake.wait(DEFER_POLL_S)
-                else:
-                    self._one_write(paid)
-                continue
-            self.wake.wait(PARENT_CHECK_S)
-        return False
+        """The loop of the module docstring, reads one at a time on this thread
+        and the one write in flight on a `WriteLane`; True if orphaned."""
+        writer = WriteLane(self)
+        try:
+            while not self.control.stopping():
+                if self.parent_gone():
+                    return True
+                records = self.read_ring.pop(self.batch)
+                if len(records):
+                    for rec in records:
+                        self.serve(rec, self.lane)
+                        if not writer.busy and self.write_ring.pending() and self.write_turn(True):
+                            self._start_write(writer, True)  # reads first, writes never starved
+                    continue
+                if not writer.busy and self.write_ring.pending():
+                    paid = self.write_turn(False)
+                    if paid is None:
+                        self.wake.wait(DEFER_POLL_S)
+                    else:
+                        self._start_write(writer, paid)
+                    continue
+                # Woken by a submission, or by the write lane when its write is done.
+                self.wake.wait(PARENT_CHECK_S)
+            return False
+        finally:
+            writer.close()
 
     def write_turn(self, reads_here: bool) -> bool | None:
         """May a queued write start now? None: not yet; True: yes, on credit
@@ -184,11 +192,11 @@ class Worker:
             return False
         return None
 
-    def _one_write(self, paid: bool) -> None:
+    def _start_write(self, writer: WriteLane, paid: bool) -> None:
         recs = self.write_ring.pop(1)
         if len(recs):
             self.write_paid = paid
-            self.serve(recs[0], self.lane)
+            writer.start(recs[0])
 
     def serve(self, rec, lane: Lane) -> None:
         t0 = time.perf_counter_ns()

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from faultkit import MID, backup, capture_log, content, fingerprint, make, prefetch, put, \
+from faultkit import BIG, MID, backup, capture_log, content, fingerprint, make, prefetch, put, \
     wrong_pages
 from storagekit import cont, stop_workers
 
@@ -106,6 +106,34 @@ def test_slow_writes_take_no_more_than_their_share_of_a_prefetchs_time(store, de
         allowed = 1 + int(earned // (write_ns * 0.5))
         before = int((wop.landed_seq < rop.landed_seq.max()).sum())
         assert before <= allowed, (before, allowed, read_ns, write_ns)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_read_that_arrives_while_a_write_is_in_flight_does_not_wait_for_it(store, depth):
+    """A prefetch that comes while the worker is inside a slow write (2 MiB
+    and fdatasync) lands before that write finishes: at depth 1 the write
+    runs on the worker's write lane, not on the thread that serves reads."""
+    with make(store, geo=BIG, pages=16, workers=1, fsync="data", io_depth=depth) as e:
+        backup(e, ["old"], [0])
+        busy = e._control.heartbeat[0]
+        for attempt in range(5):
+            new = f"new-{attempt}"
+            _fill(e, [new], [1])
+            wop = e.backup([new], [1])
+            t0 = time.monotonic()
+            while not busy.any() and time.monotonic() - t0 < 10:
+                pass  # spin: the write may last only milliseconds
+            rop = e.prefetch(["old"], [2])
+            e.poll()
+            in_flight = not wop.done  # the write had not finished when the read was queued
+            assert e.wait(rop, 30) and e.wait(wop, 30)
+            assert rop.status == "ok" and wop.status == "ok"
+            if in_flight:
+                break
+        else:
+            pytest.skip("no write here lasted long enough to queue a read behind it")
+        assert not wrong_pages(e, rop, _allowed(e))
+        assert rop.landed_seq.max() < wop.landed_seq.min(), (rop.landed_seq, wop.landed_seq)
 
 
 def test_backup_over_budget_is_dropped_at_once_and_never_stalls(store):
