@@ -80,7 +80,9 @@ def test_a_stalled_page_holds_up_the_other_pages_only_without_depth(store, depth
 
 def test_reads_still_go_before_queued_writes(store):
     """With 2 lanes and writes queued first, the first pages done are reads."""
-    with make(store, geo=MID, pages=64, workers=1, io_depth=2) as e:
+    # write_share 0.01: six reads cannot earn a write's worth of credit (the
+    # default 0.1 could, were a cached 64 KiB read ~0.5 ms on a loaded box).
+    with make(store, geo=MID, pages=64, workers=1, io_depth=2, write_share=0.01) as e:
         old = [f"old-{i}" for i in range(6)]
         assert backup(e, old, range(6)).status == "ok"
         new = [f"new-{i}" for i in range(12)]
