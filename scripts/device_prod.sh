@@ -20,7 +20,6 @@
 #              probes) / the old whole-store rescan (OUTDIR/discovery.log)
 # Usage: scripts/device_prod.sh OUTDIR [ranks] [storage] [mixed] [discovery]
 set -u
-t0=$SECONDS
 out=${1:?usage: scripts/device_prod.sh OUTDIR [ranks] [storage] [mixed] [discovery]}
 shift
 parts=${*:-ranks storage discovery}
