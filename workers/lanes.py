@@ -3,8 +3,9 @@
 Owns the lane threads of a worker and the dispatch that feeds them when
 `io_depth` > 1: per-lane aligned buffers (`Lane`) and `run_lanes`, which
 replaces the worker's inline loop; at depth 1, the inline loop's write lane
-(`WriteLane`: its one write in flight, beside the loop's reads). Must not do I/O or judge pages itself:
-each record goes through `Worker.serve`, as in the inline loop.
+(`WriteLane`: its one write in flight, beside the loop's reads). Must not do
+I/O or judge pages itself: each record goes through `Worker.serve`, as in
+the inline loop.
 
 Why threads inside the worker: preadv/pwritev release the GIL, so lanes of
 one process run in the kernel at once, and a queue-depth-limited device

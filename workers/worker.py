@@ -13,10 +13,10 @@ status for each.
 
 Two submit rings per worker: `read_ring` (prefetch) and `write_ring`
 (backup). Reads come first: a prefetch is on a request's critical path, a
-backup is not. Writes are taken one at a time, on the worker's write lane
-(workers.lanes.WriteLane, a thread: a page write can take the time of twenty
-page-cache reads), so a read that arrives while a write is in flight is
-served at once, beside it. Reads come first across the engine too: a
+backup is not. Writes are taken one at a time, on a thread of their own (at
+io_depth 1 the write lane, workers.lanes.WriteLane; deeper, one of the
+lanes): a page write can take the time of twenty page-cache reads, and a
+read that arrives while it is in flight is served at once, beside it. Reads come first across the engine too: a
 worker with no read of its own treats a write as taken from reads while any
 worker still has reads outstanding (workers.control), because on one device
 every byte written is bandwidth a read does not get (figures:
