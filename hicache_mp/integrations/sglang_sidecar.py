@@ -28,12 +28,12 @@ get_data_page size) is moved page by page through its own
 get_data_page / set_from_flat_data_page, as SGLang's `file` backend does.
 
 `zero_copy_parts()` says when the workers can read straight into the pool:
-every component page-indexed along dim 0 (one run per page and tensor: a
-Mamba state's temporal, conv and slot-state buffers), or one (2, pages, ...)
-tensor along dim 1 (a K run and a V run), each tensor the whole of one of the
-shm allocator's memfds. The workers then map every memfd and a page is one
-run per part (shm.partpool); the scheduler's process makes no torch call per
-component or page.
+every component a contiguous tensor that is the whole of one of the shm
+allocator's memfds (every layout in the table above, under "allocator":
+"shm"). The workers then map every memfd and a page is a few runs of them
+(shm.partpool: one per tensor for a Mamba state, K and V for a (2, pages,
+...) tensor, one per K/V and layer for layer_first); the scheduler's process
+makes no torch call per component or page.
 """
 from __future__ import annotations
 
@@ -198,17 +198,26 @@ def _mapping_address(mm) -> int | None:
         return None
 
 
+# iovecs one page may take: preadv/pwritev take IOV_MAX (1024) with the page
+# file's header and overflow guard; a layout needing more is staged.
+MAX_PARTS = 512
+
+
 def zero_copy_parts(host_pool, layout) -> tuple[list | None, int, str]:
     """([(memfd, offset, stride) per part], pages, "") where workers can map the
-    pool's page tensors and read a page as one run of each part
-    (shm.partpool), else (None, 0, why not).
+    pool's page tensors and read a page as runs of them (shm.partpool), else
+    (None, 0, why not).
 
-    Each component must be page-major (one whole page per index along dim 0,
-    or a (2, pages, ...) K/V tensor: two parts on one memfd), contiguous, and
-    the whole of one of the shm allocator's memfds (matched by base address:
-    the allocator appends one fd per tensor, in allocation order, but a pool
-    may skip empty tensors). The parts follow the components, which follow
-    SGLang's flat page order, so a file written either way reads the other.
+    Every component must be a contiguous tensor that is the whole of one of
+    the shm allocator's memfds (matched by base address: the allocator keeps
+    one fd per tensor, in allocation order, and a pool may skip empty ones),
+    and its page slice must be `length` rows starting at row page * length
+    (page_size == div * length). The page is then, for each index over the
+    dims before `dim`, one run of `length` rows: one part each (a Mamba
+    tensor or a page-major pool: one; a (2, pages, ...) K/V tensor: two; a
+    layer_first pool: one per K/V and layer). The parts follow the
+    components and `gather`'s order, which is SGLang's flat page, so a file
+    written either way reads the other.
     """
     if not isinstance(layout, BatchLayout) or not layout.components:
         return None, 0, "an unknown layout (moved page by page)"
@@ -222,11 +231,10 @@ def zero_copy_parts(host_pool, layout) -> tuple[list | None, int, str]:
             by_base[base] = fd
     parts, pages = [], None
     for c in layout.components:
-        kv_tensor = c.dim == 1 and c.tensor.shape[0] == 2 and len(layout.components) == 1
-        if not (c.length == 1 and c.div == P and (c.dim == 0 or kv_tensor)) \
-                or not c.tensor.is_contiguous():
-            return None, 0, "its pages are not whole runs of page-major tensors"
-        n = int(c.tensor.shape[c.dim])
+        if c.div * c.length != P or not c.tensor.is_contiguous():
+            return None, 0, "its pages are not whole rows of contiguous tensors"
+        rows = int(c.tensor.shape[c.dim])
+        n = rows // c.length
         if pages not in (None, n):
             return None, 0, "its tensors hold different numbers of pages"
         pages = n
@@ -235,9 +243,13 @@ def zero_copy_parts(host_pool, layout) -> tuple[list | None, int, str]:
             return None, 0, "the pool has no memfd (SGLang's default allocator)"
         if os.fstat(fd).st_size < c.tensor.numel():
             return None, 0, "its memfd is smaller than the pool"
-        if c.dim == 0:
-            parts.append((fd, 0, c.page_bytes))
-        else:
-            half = c.page_bytes // 2
-            parts += [(fd, 0, half), (fd, n * half, half)]
+        outer = 1
+        for size in c.tensor.shape[:c.dim]:
+            outer *= int(size)
+        row = c.tensor.numel() // (outer * rows)       # bytes: the view is uint8
+        if len(parts) + outer > MAX_PARTS:
+            return None, 0, f"a page is more than {MAX_PARTS} runs"
+        parts += [(fd, i * rows * row, c.length * row) for i in range(outer)]
+    if not pages:
+        return None, 0, "the pool holds no whole page"
     return parts, pages, ""

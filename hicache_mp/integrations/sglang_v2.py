@@ -7,18 +7,17 @@ and the page moves of `batch_get_v2` / `batch_set_v2`. Must not touch the KV
 pool's own engine beyond asking the backend for KV presence and v1 I/O.
 
 Each sidecar pool gets its own engine: a batch is one engine op per pool.
-Where the pool's page is whole runs of page-major tensors on memfds
-("allocator": "shm"; a Mamba state's temporal, conv and slot-state buffers,
-the DSA indexer, MHA/MLA pools in page_first_direct) the workers map every
-memfd and read/write its pages in place (zero-copy, as for KV;
-shm.partpool): the scheduler's process then makes no torch call per page or
-component, only one index conversion per batch and the wait. Every torch
-call releases the GIL, and with a busy scheduler thread each release can
-cost a switch interval (5 ms) to get it back. Otherwise (SGLang's default
-allocator; token-major layouts) they go through an engine-owned
-shared-memory staging pool, and the pages move between it and SGLang's pool
-with a few batched torch copies per component (`sglang_sidecar`), never a
-Python loop over pages where the layout is known.
+Where the pool's tensors are memfds ("allocator": "shm") the workers map
+every memfd and read/write its pages in place (zero-copy, as for KV;
+shm.partpool): a page is a few runs of them (one per tensor of a Mamba
+state, K and V, or one per K/V and layer). The scheduler's process then
+makes no torch call per page or component, only one index conversion per
+batch and the wait. Every torch call releases the GIL, and with a busy
+scheduler thread each release can cost a switch interval (5 ms) to get it
+back. Otherwise (SGLang's default allocator) they go through an
+engine-owned shared-memory staging pool, and the pages move between it and
+SGLang's pool with a few batched torch copies per component
+(`sglang_sidecar`), never a Python loop over pages where the layout is known.
 
 Page identity: the key is `{hash}.{pool}` as in SGLang's `file` backend, and
 the engine's namespace holds the pool name and the page's byte layout, so the
@@ -139,7 +138,7 @@ class SidecarPool:
             torch.tensor(slots, dtype=torch.int64)
 
     def _pages(self, index: np.ndarray) -> np.ndarray:
-        return index // self.layout.components[0].div
+        return index // self.page_size
 
     def read(self, keys, index: np.ndarray, wait) -> list[bool]:
         """Read pages into the host pool; only the leading run of landed pages counts.
@@ -368,6 +367,13 @@ class HybridPools:
                 out[t.name] = [False] * len(keys)
                 continue
             index = idx.reshape(-1)[::pool.page_size].astype(np.int64)
+            if pool.zero_copy and (index % pool.page_size).any():
+                # zero-copy moves whole pages: a page that does not start on a page
+                # boundary would be read into (or written from) the wrong one
+                log.error("hicache_mp: %s v2 transfer for pool %r: a page's host indices "
+                          "do not start on a page boundary", "set" if write else "get", name)
+                out[t.name] = [False] * len(keys)
+                continue
             fn = pool.write if write else pool.read
             out[t.name] = fn(keys, index, self.backend._wait_on)
         return out

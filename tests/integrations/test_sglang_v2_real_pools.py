@@ -115,7 +115,68 @@ def test_same_answers_and_bytes_as_file_on_real_pools(make, tmp_path):  # noqa: 
         assert torch.equal(page_bytes(dst_f.mamba, slot), page_bytes(dst_m.mamba, slot))
     pools = mb2.metrics()["sidecar_pools"]
     assert all(p["batched"] for p in pools.values())
-    # the real DSAIndexerPoolHost (page_first) is one page-major memfd, the real
-    # MambaPoolHost two (temporal, conv): both zero-copy
-    assert {n: p["zero_copy"] for n, p in pools.items()} == {
-        "mamba": True, "swa": False, "indexer": True, "deepseek_v4_c4": False}
+    # every real pool on the shm allocator is served zero-copy: the indexer
+    # (page_first: one run per page), Mamba (temporal, conv: two), SWA (MHA
+    # page_first, token-major: K and V) and C4 (MLA layer_first: one per layer)
+    assert {n: (p["zero_copy"], p["parts"]) for n, p in pools.items()} == {
+        "mamba": (True, 2), "swa": (True, 2), "indexer": (True, 1),
+        "deepseek_v4_c4": (True, 2)}
+
+
+class OnePool:
+    """A real KV pool and one real sidecar pool built by `build`."""
+
+    def __init__(self, build, name, seed):
+        self.kv, self.pool, self.name = real.mha_pool(S, layout="layer_first"), build(), name
+        g = torch.Generator().manual_seed(seed)
+        real.fill_random(self.kv, g)
+        real.fill_random(self.pool, g)
+
+    def entries(self):
+        return [(self.kv, PoolName.KV), (self.pool, self.name)]
+
+
+@pytest.mark.parametrize("build,name,parts", [
+    (lambda: real.mha_pool(S, layout="layer_first"), PoolName.SWA, 4),
+    (lambda: real.mha_pool(S, layout="page_first"), PoolName.SWA, 2),
+    (lambda: real.mha_pool(S, layout="page_first_direct"), PoolName.SWA, 2),
+    (lambda: real.mha_pool(S, layout="page_head"), PoolName.SWA, 2),
+    (lambda: real.mla_pool(S, layout="layer_first"), PoolName.DEEPSEEK_V4_C4, 2),
+    (lambda: real.mla_pool(S, layout="page_first"), PoolName.DEEPSEEK_V4_C4, 1),
+    (lambda: real.mla_pool(S, layout="page_first_direct"), PoolName.DEEPSEEK_V4_C4, 1),
+    (lambda: real.dsa_indexer_pool(S, real.mla_pool(S, layout="page_first")),
+     PoolName.INDEXER, 1),
+    (lambda: real.dsa_indexer_pool(S, real.mla_pool(S, layout="layer_first")),
+     PoolName.INDEXER, 2),
+], ids=["mha_lf", "mha_pf", "mha_pfd", "mha_ph", "mla_lf", "mla_pf", "mla_pfd", "dsa_pf",
+        "dsa_lf"])
+def test_every_layout_is_zero_copy_and_reads_staged_pages(make, tmp_path, build, name,  # noqa: F811
+                                                         parts):
+    """Under the shm allocator every batched layout is mapped in place, as
+    `parts` runs per page; a page written staged reads zero-copy byte for byte,
+    and back, into other pages of other pools."""
+    store = str(tmp_path / "s")
+    a, b, c = OnePool(build, name, 1), OnePool(build, name, 2), OnePool(build, name, 3)
+    staged = make("mp", a, store_dir=store, zero_copy=False)
+    direct = make("mp", b, store_dir=store)
+    assert staged.metrics()["sidecar_pools"][name.value]["zero_copy"] is False
+    m = direct.metrics()["sidecar_pools"][name.value]
+    assert (m["zero_copy"], m["parts"]) == (True, parts), m
+    P = a.pool.page_size
+
+    def t(stack, keys, pages):
+        return tok_t(name, stack.pool, keys, pages)
+
+    k1 = keys_for(3, "staged")
+    assert staged.batch_set_v2([t(a, k1, [1, 2, 3])]) == {name: [True] * 3}
+    untouched = page_bytes(b.pool, 4 * P)
+    assert direct.batch_get_v2([t(b, k1, [5, 6, 7])]) == {name: [True] * 3}
+    for x, z in zip([1, 2, 3], [5, 6, 7]):
+        assert torch.equal(page_bytes(b.pool, z * P), page_bytes(a.pool, x * P)), (x, z)
+    assert torch.equal(page_bytes(b.pool, 4 * P), untouched)
+    k2 = keys_for(2, "direct")
+    assert direct.batch_set_v2([t(b, k2, [2, 3])]) == {name: [True] * 2}
+    staged_c = make("mp", c, store_dir=store, zero_copy=False)
+    assert staged_c.batch_get_v2([t(c, k2, [6, 1])]) == {name: [True] * 2}
+    assert torch.equal(page_bytes(c.pool, 6 * P), page_bytes(b.pool, 2 * P))
+    assert torch.equal(page_bytes(c.pool, 1 * P), page_bytes(b.pool, 3 * P))
