@@ -6,14 +6,15 @@ Ordering is observed, not timed: a worker is stopped (SIGSTOP) while both its
 rings fill, then let go; `Op.landed_seq` gives the order in which it finished
 pages (one worker's completions arrive in the order it did them).
 """
+import os
 import time
 
 import numpy as np
 import pytest
 
 from faultkit import BIG, MID, backup, capture_log, content, fingerprint, make, prefetch, put, \
-    wrong_pages
-from storagekit import cont, stop_workers
+    store_files, wrong_pages
+from storagekit import cont, drop_cache, stop_workers
 
 
 def _allowed(e):
@@ -46,11 +47,16 @@ def test_reads_go_before_writes_queued_ahead_of_them(store):
         assert rop.landed_seq.max() < wop.landed_seq.min(), (rop.landed_seq, wop.landed_seq)
 
 
-def _queued_reads_and_writes(e, nreads: int, nwrites: int):
-    """One stopped worker; `nreads` cached pages to prefetch queued, then
-    `nwrites` pages to back up; let go, both done. Returns (read op, write op)."""
+def _queued_reads_and_writes(e, nreads: int, nwrites: int, *, cold: bool = False):
+    """One stopped worker; `nreads` pages to prefetch queued (cached, or with
+    `cold` out of the page cache: read from the disk), then `nwrites` pages to
+    back up; let go, both done. Returns (read op, write op)."""
     old = [f"old-{i}" for i in range(nreads)]
     backup(e, old, range(nreads))
+    if cold:
+        os.sync()  # written back first: the kernel drops only clean pages
+        for path in store_files(e.config.storage_dir)[0]:
+            drop_cache(path)
     new = [f"new-{i}" for i in range(nwrites)]
     _fill(e, new, range(nreads, nreads + nwrites))
     pids = stop_workers(e)
@@ -68,11 +74,11 @@ def _queued_reads_and_writes(e, nreads: int, nwrites: int):
 
 def test_writes_interleave_with_reads_by_their_share_of_io_time(store):
     """A large write_share: each read earns write credit worth many times its
-    own time, so writes start between the reads, not after them (the first
-    lands while the reads still go on: 48 cached 2 MiB reads take far longer
-    than one 2 MiB write)."""
+    own time, so writes start between the reads, not after them: the first
+    lands while the reads still go on (48 cold 2 MiB reads from the disk take
+    far longer than one 2 MiB write into the page cache)."""
     with make(store, geo=BIG, pages=104, workers=1, write_share=0.95) as e:
-        rop, wop = _queued_reads_and_writes(e, 48, 4)
+        rop, wop = _queued_reads_and_writes(e, 48, 4, cold=True)
         assert wop.landed_seq.min() < rop.landed_seq.max(), (rop.landed_seq, wop.landed_seq)
 
 
