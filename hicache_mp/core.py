@@ -72,6 +72,9 @@ class EngineForked(EngineClosed):
 # code of its own (os.register_at_fork), so nothing it does, or its exit,
 # touches the parent's workers, rings, segments or files.
 _LIVE = weakref.WeakSet()
+# wait()'s longest sleep before it polls again (health, closed engine); the
+# engine caps each sleep further (engine.TARGET_CAP_S, 5 ms with no target).
+WAIT_SLICE_S = 0.2
 
 
 def _disown_after_fork() -> None:
@@ -138,6 +141,11 @@ class EngineCore:
         self._backup_budget = config.resolved_backup_budget()
         self._pins = np.zeros(PIN_SLOTS, dtype=np.uint64)  # the mp engine shares its own
         self._seq = 0                  # completions seen, in order (Op.landed_seq; may skip)
+        # Worker completions drained (probes aside): what the workers' PAGES words
+        # sum to once everything pushed is drained. Pages the engine settles
+        # itself (cancelled, dropped, failed with a dead worker) count in _seq
+        # only, so a wake-up target must not be built on _seq (control: WAKE_AT).
+        self._worker_pages = 0
         self.loader = None
         self._discovery = Discovery()
         _LIVE.add(self)
@@ -308,7 +316,8 @@ class EngineCore:
             self.poll()
             if op.done:
                 return True
-            left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+            left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S,
+                                                             deadline - time.monotonic())
             if left <= 0:
                 return False
             with self._lock:

@@ -71,6 +71,11 @@ from .nodeshare import NodeShare
 from .ops import READ, Op
 
 HEALTH_CHECK_S = 0.1
+# A lone waiter with a wake-up target sleeps until its batch is done or this
+# long: each early expiry takes the GIL back once, which under a busy
+# scheduler costs up to a switch interval, so a long batch must not be cut
+# into 20 ms naps (the cap is for a worker that dies mid-batch).
+TARGET_CAP_S = 0.2
 
 
 # The completions of one op in one drain go through EngineCore._apply_many from
@@ -366,6 +371,7 @@ class PrefetchEngine(EngineCore):
         # engine-wide landed order (Op.landed_seq), also across ops.
         seq0 = self._seq
         self._seq += n
+        self._worker_pages += n
         op_ids = recs["op_id"]
         if n < BATCH_APPLY_MIN:
             groups = [(None, None)]
@@ -538,7 +544,7 @@ class PrefetchEngine(EngineCore):
             # (control: WAKE_AT); any other case: after every completion. Set
             # before the announcement, so no worker sees a waiter without it.
             target = op is not None and not words[WAITERS] and not op.done
-            words[WAKE_AT] = self._seq + op._remaining if target else 0
+            words[WAKE_AT] = self._worker_pages + op._remaining if target else 0
             words[WAITERS] += 1
             # Re-check after announcing ourselves: a completion pushed before the
             # announcement posted nothing. The cap covers the remaining race.
@@ -549,7 +555,7 @@ class PrefetchEngine(EngineCore):
                 # Each sleep gives the GIL up and takes it back on waking: counted
                 # (posted wake-ups and cap expiries) so the GIL cost of a batch
                 # can be measured (scripts/sglang_stack.py prints it).
-                posted = self.done_sem.wait(min(timeout_s, 0.02 if target else 0.005))
+                posted = self.done_sem.wait(min(timeout_s, TARGET_CAP_S if target else 0.005))
         finally:
             with self._lock:
                 if not drained:
