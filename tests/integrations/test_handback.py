@@ -1,5 +1,7 @@
 """The opt-in GIL hand-back (`gil_handback_us`): the switch interval is lowered
 exactly while a batch waits, and always restored, through the real adapter."""
+import os
+import signal
 import sys
 import threading
 
@@ -45,13 +47,20 @@ def test_adapter_lowers_the_interval_only_during_its_batches(attach):  # noqa: F
 
     t = threading.Thread(target=sample)
     t.start()
+    pids = backend.engine.worker_pids()
     try:
-        for _ in range(20):
+        for _ in range(3):
             pool.kv_buffer.zero_()
+            # the workers held for a moment: the batch surely blocks in its wait
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            threading.Timer(0.05, lambda: [os.kill(p, signal.SIGCONT) for p in pids]).start()
             assert backend.batch_get_v1(keys, pool.token_indices(range(8, 16))) == [True] * 8
     finally:
         stop.set()
         t.join()
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
     assert 0.00015 in seen, seen                      # lowered while a batch waited
     assert sys.getswitchinterval() == old             # and given back afterwards
     for i in range(8):
