@@ -33,7 +33,7 @@ for part in $parts; do
   case $part in
     ranks)
       for n in 2 4; do
-        timeout 150 python3 scripts/sglang_ranks.py --ranks $n --round-mib 2048 --page-mib 8 \
+        timeout $((60 + 60 * n)) python3 scripts/sglang_ranks.py --ranks $n --round-mib 2048 --page-mib 8 \
           --runs 3 --inject-rounds 0 --json "$out/ranks$n.json" > "$out/ranks$n.log" 2>&1
         echo "sglang_ranks $n rc=$? at $((SECONDS - t0))s"
         quiet "$out/ranks$n.log" 14

@@ -69,7 +69,6 @@ from ..engine import PrefetchEngine
 from ..ops import Op
 from .sglang_layouts import flat_page_view, host_page_view
 from .sglang_names import SGLangShard
-from .handback import HandbackScope
 from .sglang_v2 import HybridPools
 
 log = logging.getLogger("hicache_mp.sglang")
@@ -98,11 +97,6 @@ class AdapterConfig:
                                   "answers about keys the index does not know (pages other "
                                   "engines or nodes wrote); 0: answer from the index, later "
                                   "calls see what the workers found", sglang=True, lo=0)
-    gil_handback_us: float = setting(0.0, "opt-in: while a batch waits for its pages, the "
-                                     "process's switch interval is this many microseconds, so "
-                                     "the waiting storage thread gets the GIL back from a busy "
-                                     "scheduler that fast (restored when no batch waits); "
-                                     "0: off", sglang=True, lo=0, hi=5000)
 
     def __post_init__(self):
         for f in settings(type(self)):
@@ -270,7 +264,6 @@ class HiCacheMP(HiCacheStorage):
         self.metrics_on = bool(getattr(storage_config, "enable_storage_metrics", False))
         self._warned: set[str] = set()
         self.hybrid = HybridPools(self)
-        self.handback = HandbackScope(self.own.gil_handback_us / 1e6)
 
     # --- attach -------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -350,9 +343,7 @@ class HiCacheMP(HiCacheStorage):
         # Keys the index does not know (an MLA writer rank's pages, another
         # node's) are asked of the store by the workers; SGLang calls this from
         # its prefetch thread, which may wait for the answers (GIL released).
-        eng = self._need_engine()
-        with self.handback:
-            return eng.exists(list(keys), wait_s=self.own.probe_wait_s)
+        return self._need_engine().exists(list(keys), wait_s=self.own.probe_wait_s)
 
     def batch_get_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
         keys = list(keys)
@@ -484,11 +475,10 @@ class HiCacheMP(HiCacheStorage):
         io_timeout_s the op is abandoned: pages not done end False, and this returns
         only once no worker can write their slots any more (a stuck one is killed
         and replaced), because SGLang reuses those slots as soon as we return."""
-        with self.handback:
-            if self.io_timeout_s is None:
-                eng.wait(op)
-            elif not eng.wait(op, self.io_timeout_s):
-                eng.abandon(op, grace_s=min(ABANDON_GRACE_S, self.io_timeout_s))
+        if self.io_timeout_s is None:
+            eng.wait(op)
+        elif not eng.wait(op, self.io_timeout_s):
+            eng.abandon(op, grace_s=min(ABANDON_GRACE_S, self.io_timeout_s))
 
     def _index_written(self, keys, ok, writer: PrefetchEngine) -> None:
         """Pages written by the legacy staging engine are known to the main one too."""
