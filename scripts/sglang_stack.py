@@ -44,17 +44,18 @@ _rid = itertools.count()
 
 # A chunk of the busy loop takes ~10-20 us; one that took longer than this
 # lost the GIL to another thread of the process (SGLang's storage threads,
-# the backend) for the gap: one hand-off.
+# the backend) that then held it that long. Shorter holds are not seen here:
+# what a storage thread loses waiting to get the GIL back shows on its side
+# (scripts/sglang_hybrid_check.py counts its blocks, docs/decisions.md 57).
 HANDOFF_GAP_S = 0.0005
 
 
 class Scheduler:
     """The scheduler thread's part: waits on SGLang's queues, idle or busy.
 
-    Busy, it also counts GIL hand-offs: every gap between two chunks of its
-    loop longer than HANDOFF_GAP_S is a time another thread of the process
-    held the GIL (what each GIL release of a storage thread costs a busy
-    scheduler: up to the switch interval)."""
+    Busy, it also counts stalls: every gap between two chunks of its loop
+    longer than HANDOFF_GAP_S is a time another thread of the process held
+    the GIL that long."""
 
     def __init__(self, busy: bool, poll_every: int = 256):
         self.busy, self.poll_every = busy, poll_every
