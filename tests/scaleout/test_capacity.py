@@ -87,8 +87,11 @@ def test_two_nodes_evictors_keep_the_shared_store_near_its_limit(nodes):
     # walk the same oldest-first list and both remove (and report) the same pages.
     assert sum(evicted) == written - on_disk, (evicted, written, on_disk)
     # ...and together they leave the store near its limit: at least its hysteresis
-    # target (LIMIT - 2h, give or take a write in flight), at most the limit.
-    assert low >= LIMIT - 2 * h - 2 * FILE, f"store fell to {low / FILE:.1f} files"
+    # target (LIMIT - 2h) less the writes in flight, at most the limit. A write
+    # reserves its bytes before its file exists (the evictor makes room for it),
+    # so the files on disk may be short by one per worker: 2 nodes x 2 workers.
+    in_flight = 2 * cfg["workers"]
+    assert low >= LIMIT - 2 * h - in_flight * FILE, f"store fell to {low / FILE:.1f} files"
     assert final <= LIMIT
     # The lease is given back (seen through either mount once its entry cache expires).
     assert settle(lambda: not any(os.path.exists(os.path.join(d, LEASE_NAME))
