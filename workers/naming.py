@@ -45,8 +45,31 @@ def check_key(key) -> bytes:
     return raw
 
 
+# Digests remembered per process: a scheduler asks about the same keys again
+# and again (batch_exists, then batch_get, then every request sharing the
+# prefix), and each costs a key check and a sha256 on its thread. Emptied
+# when full: a dict clear is cheaper than any eviction order, and a miss only
+# costs the computation again.
+_DIGESTS: dict = {}
+_DIGESTS_MAX = 1 << 15
+
+
 def key_digest(key, ns: str) -> bytes:
     """32-byte identity of a key within a namespace (checks the key first)."""
+    try:
+        return _DIGESTS[ns, key]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable key (bytearray): computed every time
+        return _compute_digest(key, ns)
+    digest = _compute_digest(key, ns)  # raises for a bad key: never remembered
+    if len(_DIGESTS) >= _DIGESTS_MAX:
+        _DIGESTS.clear()
+    _DIGESTS[ns, key] = digest
+    return digest
+
+
+def _compute_digest(key, ns: str) -> bytes:
     return hashlib.sha256(ns.encode() + b"\0" + check_key(key)).digest()
 
 
