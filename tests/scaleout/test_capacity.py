@@ -87,11 +87,16 @@ def test_two_nodes_evictors_keep_the_shared_store_near_its_limit(nodes):
     # walk the same oldest-first list and both remove (and report) the same pages.
     assert sum(evicted) == written - on_disk, (evicted, written, on_disk)
     # ...and together they leave the store near its limit: at least its hysteresis
-    # target (LIMIT - 2h) less the writes in flight, at most the limit. A write
-    # reserves its bytes before its file exists (the evictor makes room for it),
-    # so the files on disk may be short by one per worker: 2 nodes x 2 workers.
-    in_flight = 2 * cfg["workers"]
-    assert low >= LIMIT - 2 * h - in_flight * FILE, f"store fell to {low / FILE:.1f} files"
+    # target (LIMIT - 2h) less what a pass may count twice, at most the limit. A
+    # pass counts the writes in flight when it starts (their reservations: the
+    # evictor makes room for them) and every file its scan meets, so a write in
+    # flight whose temp file or page file the scan also meets is counted twice:
+    # up to two files per worker (2 nodes x 2 workers) below the target, seen
+    # on a loaded 2-core box where scans through the mount are slow. Two
+    # evictors at once would each remove down to the target (and the count
+    # above would show pages removed twice).
+    slack = 2 * 2 * cfg["workers"]
+    assert low >= LIMIT - 2 * h - slack * FILE, f"store fell to {low / FILE:.1f} files"
     assert final <= LIMIT
     # The lease is given back (seen through either mount once its entry cache expires).
     assert settle(lambda: not any(os.path.exists(os.path.join(d, LEASE_NAME))
