@@ -90,11 +90,12 @@ def test_two_nodes_evictors_keep_the_shared_store_near_its_limit(nodes):
     # target (LIMIT - 2h) less what a pass may count twice, at most the limit. A
     # pass counts the writes in flight when it starts (their reservations: the
     # evictor makes room for them) and every file its scan meets, so a write in
-    # flight whose temp file or page file the scan also meets is counted twice:
-    # up to two files per worker (2 nodes x 2 workers) below the target, seen
-    # on a loaded 2-core box where scans through the mount are slow. Two
-    # evictors at once would each remove down to the target (and the count
-    # above would show pages removed twice).
+    # flight whose temp file or page file the scan also meets is counted twice.
+    # On a quiet box the lowest is the target exactly; fresh-clone CI runs on a
+    # loaded 2-core box, where scans through the mount are slow, saw 53 and 49
+    # files against 56 (not fully explained by the double count; README, Scale-
+    # out). The bound allows two files per worker of both nodes. Two evictors at
+    # once are caught exactly above (pages removed twice).
     slack = 2 * 2 * cfg["workers"]
     assert low >= LIMIT - 2 * h - slack * FILE, f"store fell to {low / FILE:.1f} files"
     assert final <= LIMIT
