@@ -140,6 +140,23 @@ def capture_log() -> list[str]:
 
 
 # --- catching a worker in the middle of I/O -----------------------------------
+def fill_dev_shm(path: str) -> int:
+    """Fill /dev/shm to ENOSPC with one file at `path`; the bytes left free."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    size, chunk = 0, 1 << 20
+    try:
+        while chunk >= 4096:
+            try:
+                os.posix_fallocate(fd, size, chunk)
+                size += chunk
+            except OSError:
+                chunk //= 2
+    finally:
+        os.close(fd)
+    vfs = os.statvfs("/dev/shm")
+    return vfs.f_bavail * vfs.f_frsize
+
+
 def _state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]

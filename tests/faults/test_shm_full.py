@@ -67,21 +67,9 @@ def test_dev_shm_filled_after_start_never_kills_the_engine(store):
     last byte afterwards costs nothing. Many distinct keys touch the whole pin
     table, every ring and the pool."""
     body = """
-import os
-from faultkit import content, get, make, put
+from faultkit import content, fill_dev_shm, get, make, put
 e = make(args[0], pages=args[1], workers=2)
-# Fill what is left of /dev/shm, to ENOSPC.
-fd = os.open("/dev/shm/filler", os.O_WRONLY | os.O_CREAT, 0o600)
-chunk, size = 1 << 20, 0
-while chunk >= 4096:
-    try:
-        os.posix_fallocate(fd, size, chunk)
-        size += chunk
-    except OSError:
-        chunk //= 2
-os.close(fd)
-vfs = os.statvfs("/dev/shm")
-result["free_after_fill"] = vfs.f_bavail * vfs.f_frsize
+result["free_after_fill"] = fill_dev_shm("/dev/shm/filler")  # what is left, to ENOSPC
 pb, n = e.geometry.page_bytes, args[1]
 wrong = ok = 0
 for round in range(40):

@@ -30,7 +30,7 @@ import numpy as np
 
 from workers import status as st
 
-from faultkit import HERE, content, fingerprint, get, make, page_file, put
+from faultkit import HERE, content, fill_dev_shm, fingerprint, get, make, page_file, put
 
 KEYS = [f"soak-{i}" for i in range(160)]
 SLOTS = 96
@@ -278,7 +278,7 @@ def test_soak(tmp_path, capsys):
     with make(str(tmp_path), geo=GEO, layout="layer_first", pages=SLOTS, workers=3,
               worker_batch=4, write_checksum=True, quarantine_bad_files=True,
               io_depth=depth, stall_timeout_s=STALL_S) as e:
-        shm_free = fill_dev_shm() if os.environ.get("HICACHE_SOAK_FILL_SHM") else None
+        shm_free = fill_dev_shm(FILLER) if os.environ.get("HICACHE_SOAK_FILL_SHM") else None
         try:
             soak = Soak(e, rng)
             end = time.monotonic() + _duration()
@@ -357,21 +357,6 @@ def _alive(pid: int) -> bool:
 FILLER = "/dev/shm/soak-filler"
 
 
-def fill_dev_shm() -> int:
-    """Fill /dev/shm to ENOSPC with one file; the bytes left free."""
-    fd = os.open(FILLER, os.O_WRONLY | os.O_CREAT, 0o600)
-    size, chunk = 0, 1 << 20
-    try:
-        while chunk >= 4096:
-            try:
-                os.posix_fallocate(fd, size, chunk)
-                size += chunk
-            except OSError:
-                chunk //= 2
-    finally:
-        os.close(fd)
-    vfs = os.statvfs("/dev/shm")
-    return vfs.f_bavail * vfs.f_frsize
 
 
 def test_soak_with_dev_shm_full(tmp_path):

@@ -244,19 +244,24 @@ def queries(s, keys):
             (keys, [])]
 
 
+def assert_same_hits(file_backend, mp_backend, query_list) -> None:
+    """Every hit query answered by hicache_mp exactly as by SGLang's `file`."""
+    for q_keys, transfers in query_list:
+        want = file_backend.batch_exists_v2(q_keys, transfers)
+        got = mp_backend.batch_exists_v2(q_keys, transfers)
+        assert isinstance(got, PoolTransferResult)
+        assert (got.kv_hit_pages, got.extra_pool_hit_pages, got.restorable_prefix_pages) == \
+               (want.kv_hit_pages, want.extra_pool_hit_pages, want.restorable_prefix_pages), \
+            ([t.name for t in transfers], len(q_keys))
+
+
 def test_same_answers_and_bytes_as_sglang_file_backend(make, stacks, tmp_path):
     keys = keys_for(8)
     src_f, src_m = stacks(0), stacks(0)
     fb = make("file", src_f, store_dir=str(tmp_path / "file"))
     mb = make("mp", src_m, store_dir=str(tmp_path / "mp"))
     assert write_scenario(fb, src_f, keys) == write_scenario(mb, src_m, keys)
-    for q_keys, transfers in queries(src_m, keys):
-        want = fb.batch_exists_v2(q_keys, transfers)
-        got = mb.batch_exists_v2(q_keys, transfers)
-        assert isinstance(got, PoolTransferResult)
-        assert (got.kv_hit_pages, got.extra_pool_hit_pages, got.restorable_prefix_pages) == \
-               (want.kv_hit_pages, want.extra_pool_hit_pages, want.restorable_prefix_pages), \
-            ([t.name for t in transfers], len(q_keys))
+    assert_same_hits(fb, mb, queries(src_m, keys))
     # reads: the restorable prefix 5 (KV 0..4, indexer, Mamba at 5, SWA at 5 = missing),
     # plus mismatched and unknown keys, into fresh pools of both backends
     dst_f, dst_m = stacks(7), stacks(7)

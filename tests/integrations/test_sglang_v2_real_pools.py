@@ -23,7 +23,7 @@ except Exception as exc:  # ImportError, or a broken module on the chain
 from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402
 
 from hicache_mp.integrations import sglang_sidecar  # noqa: E402
-from test_sglang_v2 import (make, page_bytes, queries, write_scenario,  # noqa: E402,F401
+from test_sglang_v2 import (assert_same_hits, make, page_bytes, queries, write_scenario,  # noqa: E402,F401
                             kv_t, mamba_t, tok_t, keys_for, TRAIL)
 
 
@@ -83,11 +83,7 @@ def test_same_answers_and_bytes_as_file_on_real_pools(make, tmp_path):  # noqa: 
     fb = make("file", src_f, store_dir=str(tmp_path / "file"))
     mb = make("mp", src_m, store_dir=str(tmp_path / "mp"))
     assert write_scenario(fb, src_f, keys) == write_scenario(mb, src_m, keys)
-    for q_keys, transfers in queries(src_m, keys):
-        want = fb.batch_exists_v2(q_keys, transfers)
-        got = mb.batch_exists_v2(q_keys, transfers)
-        assert (got.kv_hit_pages, got.extra_pool_hit_pages, got.restorable_prefix_pages) == \
-               (want.kv_hit_pages, want.extra_pool_hit_pages, want.restorable_prefix_pages)
+    assert_same_hits(fb, mb, queries(src_m, keys))
     dst_f, dst_m = RealStack(5), RealStack(5)
     fb2 = make("file", dst_f, store_dir=str(tmp_path / "file"))
     mb2 = make("mp", dst_m, store_dir=str(tmp_path / "mp"))
