@@ -167,12 +167,15 @@ class EngineCore:
     def exists(self, keys, *, wait_s: float = 0.0) -> int:
         """How many leading keys have a page in the store.
 
-        No syscall here. A key the index does not know is asked of the store
-        by a worker (one stat, at most once per PROBE_TTL_S per key, with the
-        keys after it; hicache_mp.discovery): pages another engine wrote are
-        found by a later call once `poll()` has the answer, or by this one
-        with `wait_s` > 0, which waits up to that long (GIL released) for
-        the answers.
+        No syscall here. The first key the index does not know is asked of
+        the store by a worker (one stat, at most once per PROBE_TTL_S per
+        key; hicache_mp.discovery), and once it is found, the keys after it
+        together: pages another engine wrote are found by a later call once
+        `poll()` has the answers, or by this one with `wait_s` > 0, which
+        waits up to that long (GIL released) for them. Head first because a
+        prefix whose first missing page is absent is no longer whatever
+        follows: asking about the rest would cost the store a stat per key,
+        and this thread a digest per key, for nothing.
         """
         if self._forked:
             self._refuse_in_child()
@@ -181,19 +184,44 @@ class EngineCore:
         n = self._leading(keys)
         if n == len(keys) or self._closed:
             return n
-        with self._lock:
-            waiting = self._probe(keys[n:])
-        if not waiting or wait_s <= 0:
-            return n
         deadline = time.monotonic() + wait_s
-        while not self._released:
+        head = True
+        while True:
+            self._ask(keys[n:], deadline, whole=not head)
+            found = self._leading(keys[n:])
+            if not head or not found or time.monotonic() >= deadline:
+                return n + found
+            n, head = n + found, False  # the head is there: ask about the rest
+            if n == len(keys):
+                return n
+
+    def ask(self, keys, *, wait_s: float = 0.0) -> None:
+        """Ask the store about every key the index misses, not only a prefix's
+        head (a sidecar pool's trailing pages; `present()` then says which are
+        there); waits up to `wait_s` for the answers, as `exists()` does."""
+        if self._forked:
+            self._refuse_in_child()
+        if self._closed:
+            return
+        keys = list(keys)
+        ns, known = self.namespace, self._index.digests
+        missing = [k for k in keys if naming.key_digest(k, ns) not in known]
+        if missing:
+            self._ask(missing, time.monotonic() + wait_s, whole=True)
+
+    def _ask(self, keys, deadline: float, whole: bool) -> None:
+        """Probe `keys` (the first is unknown; with `whole`, the rest too) and
+        wait until they are answered or `deadline`."""
+        with self._lock:
+            waiting = self._probe(keys, whole)
+        while waiting and not self._released and time.monotonic() < deadline:
             self.poll()
             left = deadline - time.monotonic()
             if left <= 0 or waiting.isdisjoint(self._discovery.waiting):
-                break
+                return
             with self._lock:  # the sleepers protocol of wait(): close() waits for us
                 if self._released:
-                    break
+                    return
                 self._sleepers += 1
             try:
                 self._sleep_for_completion(min(left, 0.05))
@@ -201,7 +229,6 @@ class EngineCore:
                 with self._lock:
                     self._sleepers -= 1
                     self._sleepers_gone.notify_all()
-        return n + self._leading(keys[n:])
 
     def _leading(self, keys) -> int:
         ns, known = self.namespace, self._index.digests
@@ -594,7 +621,7 @@ class EngineCore:
         """Raise if the I/O side takes no more work (before anything is reserved)."""
 
     def _submit(self, op: Op) -> None: raise NotImplementedError
-    def _probe(self, keys) -> set: return set()  # discovery; the mp engine's workers answer
+    def _probe(self, keys, whole: bool) -> set: return set()  # discovery; the mp engine's workers answer
     def _drain(self) -> int: raise NotImplementedError
     def _cancel_io(self, op: Op) -> None: raise NotImplementedError
     def _sleep_for_completion(self, timeout_s: float, op=None) -> None: raise NotImplementedError

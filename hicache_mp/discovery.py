@@ -57,12 +57,24 @@ class Discovery:
             self.waiting.add(d)
         self.sent += len(digests)
 
-    def answered(self, digest: bytes, found: bool) -> None:
-        left = self.pending.pop(digest, 1) - 1
-        if left > 0 and not found:
-            self.pending[digest] = left   # a newer ask is still out: its answer decides
-            return
-        self.waiting.discard(digest)
-        if found:
-            self.found += 1
-            self.asked.pop(digest, None)  # known now; if it goes, it may be asked again at once
+    def answered(self, digests: bytes, found: list) -> list:
+        """Workers' answers: `digests` is 32 bytes per answer, `found` a bool
+        each; returns the digests found (for the index). One call per drained
+        batch: a prefix of misses is one pass here, not a method call each."""
+        pending, waiting = self.pending, self.waiting
+        hits = []
+        for i, ok in enumerate(found):
+            digest = digests[32 * i:32 * i + 32]
+            left = pending.pop(digest, 1) - 1
+            if left > 0 and not ok:
+                pending[digest] = left   # a newer ask is still out: its answer decides
+                continue
+            waiting.discard(digest)
+            if ok:
+                hits.append(digest)
+        if hits:
+            self.found += len(hits)
+            asked = self.asked
+            for digest in hits:
+                asked.pop(digest, None)  # known now; if it goes, it may be asked again at once
+        return hits

@@ -298,39 +298,42 @@ class PrefetchEngine(EngineCore):
             for pos in rejected:  # backpressure: say so per page, never queue unbounded
                 self._apply(op, pos, st.BUSY, 0, 0, now)
 
-    def _probe(self, keys) -> set:
-        """Hand probes for `keys` (the first is missing from the index) to the
-        workers; the digests still unanswered among them (hicache_mp.discovery)."""
+    def _probe(self, keys, whole: bool) -> set:
+        """Hand probes for `keys` (the first is missing from the index; the
+        others too with `whole`) to the workers; the digests still
+        unanswered among them (hicache_mp.discovery)."""
         if self._pool is None or self._pool.closed or self._pool.broken:
             return set()
         workers = self._pool.usable()
         if not workers:
             return set()
         ns, disc, now = self.namespace, self._discovery, time.monotonic()
-        first = naming.key_digest(keys[0], ns)
-        if not disc.due(first, now):  # asked a moment ago: the tail was asked with it
-            return {first} & disc.waiting
-        known = self._index.digests
-        ask = [first]
-        for key in keys[1:PROBE_MAX]:
-            d = naming.key_digest(key, ns)
-            if d not in known and disc.due(d, now):
-                ask.append(d)
-        recs = np.zeros(len(ask), dtype=RECORD_DTYPE)
-        recs["kind"] = KIND_PROBE
-        recs["host_page"] = -1
-        recs["digest"] = np.frombuffer(b"".join(ask), dtype=np.uint8).reshape(-1, 32)
-        nw = len(workers)
-        sent = []
-        for i in range(min(nw, len(ask))):
-            handle = workers[(self._rr + i) % nw]
-            pushed = handle.submit.push(recs[i::nw])
-            if pushed:
-                handle.wake.post()
-                sent.extend(ask[i::nw][:pushed])  # a full ring: those are asked next time
-        self._rr = (self._rr + len(ask)) % nw
-        disc.mark(sent, now)
-        return set(sent)
+        asked = [naming.key_digest(keys[0], ns)]
+        if whole:
+            known = self._index.digests
+            for key in keys[1:PROBE_MAX]:
+                d = naming.key_digest(key, ns)
+                if d not in known:
+                    asked.append(d)
+        # Within PROBE_TTL_S of the last asking a key is not asked again; if
+        # that ask is still unanswered, the caller waits for it all the same.
+        ask = [d for d in asked if disc.due(d, now)]
+        if ask:
+            recs = np.zeros(len(ask), dtype=RECORD_DTYPE)
+            recs["kind"] = KIND_PROBE
+            recs["host_page"] = -1
+            recs["digest"] = np.frombuffer(b"".join(ask), dtype=np.uint8).reshape(-1, 32)
+            nw = len(workers)
+            sent = []
+            for i in range(min(nw, len(ask))):
+                handle = workers[(self._rr + i) % nw]
+                pushed = handle.submit.push(recs[i::nw])
+                if pushed:
+                    handle.wake.post()
+                    sent.extend(ask[i::nw][:pushed])  # a full ring: those are asked next time
+            self._rr = (self._rr + len(ask)) % nw
+            disc.mark(sent, now)
+        return disc.waiting.intersection(asked)
 
     def _drain(self) -> int:
         if self._pool is None or self._pool.closed:
@@ -356,12 +359,11 @@ class PrefetchEngine(EngineCore):
             return 0
         probes = recs["kind"] == KIND_PROBE
         if probes.any():
-            answered = self._discovery.answered
-            for digest, code in zip(recs["digest"][probes], recs["status"][probes].tolist()):
-                digest = digest.tobytes()
-                answered(digest, code == st.OK)
-                if code == st.OK:
-                    self._index.add(digest)
+            hits = self._discovery.answered(recs["digest"][probes].tobytes(),
+                                            (recs["status"][probes] == st.OK).tolist())
+            add = self._index.add
+            for digest in hits:
+                add(digest)
             recs = recs[~probes]
             n = len(recs)
             if not n:

@@ -79,8 +79,26 @@ def make_store(store: str, files: int) -> None:
     log(f"store: {files} page files in {time.monotonic() - t0:.0f} s")
 
 
-def writer(store: str, tag: str, ready, stop, counter) -> None:
-    """Another engine writing new pages, 16 per backup, until told to stop."""
+def loop_core() -> set:
+    """The CPU the loop is pinned to and its SMT siblings (one physical core)."""
+    cpu = min(os.sched_getaffinity(0))
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+            text = f.read().strip()
+    except OSError:
+        return {cpu}
+    core = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        core.update(range(int(lo), int(hi or lo) + 1))
+    return core
+
+
+def writer(store: str, tag: str, ready, stop, counter, cpus) -> None:
+    """Another engine writing new pages, 16 per backup, until told to stop; on
+    `cpus` if given (with its workers, which inherit the mask)."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     with engine(store) as e:
         ready.set()
         i = 0
@@ -122,6 +140,10 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds of the phases (medians)")
     p.add_argument("--exists-every", type=int, default=100,
                    help="loop iterations per exists() call")
+    p.add_argument("--writer-cpus", choices=("other", "any"), default="other",
+                   help="other: the loop is pinned to one CPU and the writer (standing for "
+                        "another node) runs off that physical core and its SMT sibling; any: "
+                        "nothing is pinned")
     args = p.parse_args(argv)
     store = args.store or tempfile.mkdtemp(prefix="bench_discovery.")
     try:
@@ -134,12 +156,20 @@ def main(argv=None) -> int:
             with engine(store, **kw) as e:
                 log(f"{phase_engine} engine: started in {time.monotonic() - t0:.1f} s "
                     f"({e.indexed_pages()} pages indexed by its start-up scan)")
+                allowed, writer_cpus = os.sched_getaffinity(0), []
+                if args.writer_cpus == "other" and len(allowed) > 2:
+                    # This thread only (Linux): the engine's workers, started
+                    # above, keep the whole machine, as they would in a server.
+                    os.sched_setaffinity(0, {min(allowed)})
+                    writer_cpus = sorted(allowed - loop_core())
+                    log(f"  loop pinned to CPU {min(allowed)}; the writer on CPUs {writer_cpus}")
                 for r in range(args.rounds):
                     if phase_engine == "probes":
                         rates["quiet"].append(loop(e, args.phase_s, args.exists_every, None))
                     tag = f"new-{phase_engine}-{r}-"
                     ready, stop, counter = ctx.Event(), ctx.Event(), ctx.Value("q", 0)
-                    w = ctx.Process(target=writer, args=(store, tag, ready, stop, counter))
+                    w = ctx.Process(target=writer, args=(store, tag, ready, stop, counter,
+                                                         writer_cpus))
                     w.start()
                     ready.wait(300)  # its engine's start-up scan is not part of the phase
                     if phase_engine == "probes":
@@ -150,13 +180,21 @@ def main(argv=None) -> int:
                     stop.set()
                     w.join(60)
                     written = counter.value
-                    e.poll()
-                    seen = sum(e.exists([f"{tag}{i}"]) for i in range(written))
+                    # What discovery finds of it now: exists() of the writer's
+                    # whole sequence, each call finding up to a probe batch more.
+                    keys, seen = [f"{tag}{i}" for i in range(written)], -1
+                    while seen < written:
+                        got = e.exists(keys, wait_s=5.0)
+                        if got == seen:
+                            break
+                        seen = got
                     found.setdefault(phase_engine, []).append((seen, written))
                     log(f"  round {r}: {phase_engine} loop {rates[phase_engine][-1]:,.0f} it/s"
                         + (f", quiet {rates['quiet'][-1]:,.0f} it/s" if phase_engine == "probes"
                            else "")
-                        + f"; the writer wrote {written} pages, this engine knew {seen} of them")
+                        + f"; the writer wrote {written} pages, this engine found {seen} of "
+                          f"them after the phase")
+                os.sched_setaffinity(0, allowed)
         med = {k: statistics.median(v) for k, v in rates.items() if v}
         log("")
         log(f"store of {args.files:,} page files, {args.rounds} rounds of {args.phase_s:.0f} s, "

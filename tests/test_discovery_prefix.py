@@ -27,3 +27,40 @@ def test_one_exists_call_finds_a_whole_prefix_another_engine_wrote(store):
         op = reader.prefetch(keys, range(PAGES))
         assert reader.wait(op, 60) and op.status == "ok", op
         assert (read_back(reader, range(PAGES)) == data).all()
+
+
+def test_a_cold_prefix_costs_the_store_one_stat_until_its_head_is_there(store):
+    """A prefix whose first page is missing is no hit whatever follows: only its
+    head is asked of the store; once the head is found, the rest is asked
+    together, and the whole prefix is found in that one call."""
+    keys = [f"cold-{i}" for i in range(PAGES)]
+    with engine(store, pages=PAGES) as reader:
+        assert reader.exists(keys, wait_s=2.0) == 0
+        assert reader.metrics()["probes_sent"] == 1, reader.metrics()
+        with engine(store, pages=PAGES) as writer:
+            data = random_pages(writer.geometry, PAGES, seed=8)
+            fill(writer, range(PAGES), data)
+            op = writer.backup(keys[1:], range(1, PAGES))  # all but the head
+            assert writer.wait(op, 60) and op.status == "ok", op
+            time.sleep(PROBE_TTL_S + 0.05)
+            assert reader.exists(keys, wait_s=2.0) == 0
+            assert reader.metrics()["probes_sent"] == 2, reader.metrics()
+            op = writer.backup(keys[:1], range(1))
+            assert writer.wait(op, 60) and op.status == "ok", op
+        time.sleep(PROBE_TTL_S + 0.05)
+        assert reader.exists(keys, wait_s=10.0) == PAGES
+        assert reader.metrics()["probes_sent"] == 2 + PAGES, reader.metrics()
+
+
+def test_ask_finds_pages_behind_a_missing_head(store):
+    """`ask()` (a sidecar pool's trailing pages) asks about every unknown key:
+    pages another engine wrote behind a missing first page are found."""
+    keys = [f"tail-{i}" for i in range(8)]
+    with engine(store, pages=8) as reader, engine(store, pages=8) as writer:
+        data = random_pages(writer.geometry, 8, seed=9)
+        fill(writer, range(8), data)
+        op = writer.backup(keys[4:], range(4, 8))
+        assert writer.wait(op, 60) and op.status == "ok", op
+        assert not reader.present(keys).any()
+        reader.ask(keys, wait_s=10.0)
+        assert reader.present(keys).tolist() == [False] * 4 + [True] * 4

@@ -126,7 +126,7 @@ class SidecarPool:
         skeys = [self.key(k) for k in keys]
         out = eng.present(skeys)
         if not out.all():
-            eng.exists(skeys, wait_s=self.probe_wait_s)
+            eng.ask(skeys, wait_s=self.probe_wait_s)
             out = eng.present(skeys)
         return out
 
