@@ -119,7 +119,9 @@ class PrefetchEngine(EngineCore):
         self._evictor = None
         self._fences: list = []     # (killed stuck worker, host slots held until it is reaped)
         self._stuck_workers = 0
-        self._wakeups = [0, 0]  # waits ended by a worker's post, by the 5 ms cap
+        # Sleeps ended by a worker's post, by the cap; and posted wakes that found
+        # their target not reached (a post left over from an earlier wait).
+        self._wakeups = [0, 0, 0]
         self._stalled_pages = 0
         if pool_fd is not None and pool_parts is not None:
             raise ValueError("give pool_fd or pool_parts, not both")
@@ -546,7 +548,8 @@ class PrefetchEngine(EngineCore):
             # (control: WAKE_AT); any other case: after every completion. Set
             # before the announcement, so no worker sees a waiter without it.
             target = op is not None and not words[WAITERS] and not op.done
-            words[WAKE_AT] = self._worker_pages + op._remaining if target else 0
+            at = self._worker_pages + op._remaining if target else 0
+            words[WAKE_AT] = at
             words[WAITERS] += 1
             # Re-check after announcing ourselves: a completion pushed before the
             # announcement posted nothing. The cap covers the remaining race.
@@ -562,6 +565,8 @@ class PrefetchEngine(EngineCore):
             with self._lock:
                 if not drained:
                     self._wakeups[0 if posted else 1] += 1
+                    if posted and at and int(self._control.workers[:, PAGES].sum()) < at:
+                        self._wakeups[2] += 1
                 words[WAITERS] -= 1
                 if not words[WAITERS]:
                     words[WAKE_AT] = 0
@@ -602,6 +607,7 @@ class PrefetchEngine(EngineCore):
             "worker_busy": [round(int(s[BUSY_NS]) / 1e9 / wall, 4) if wall else 0.0 for s in stats],
             "worker_pages": [int(s[PAGES]) for s in stats],
             "wait_wakeups_posted": self._wakeups[0], "wait_wakeups_timeout": self._wakeups[1],
+            "wait_wakeups_stale": self._wakeups[2],
             "worker_bytes": [int(s[BYTES]) for s in stats],
             "ring_depth": [0 if h.rings_closed else h.submit.depth() + h.write.depth()
                            for h in self._pool.workers] if self._pool else [],

@@ -223,13 +223,14 @@ class Stack:
 
 
 def _wakeups(s: Stack):
-    """(posted, timed out) sleeps of hicache_mp's engine so far; None for others."""
+    """(posted, timed out, stale) sleeps of hicache_mp's engine so far; None for others."""
     be = s.ctl.storage_backend
     eng = getattr(getattr(be, "_backend", be), "engine", None)
     if eng is None:
         return None
     m = eng.metrics()
-    return m.get("wait_wakeups_posted", 0), m.get("wait_wakeups_timeout", 0)
+    return (m.get("wait_wakeups_posted", 0), m.get("wait_wakeups_timeout", 0),
+            m.get("wait_wakeups_stale", 0))
 
 
 def _count_calls(ctl) -> dict:
@@ -296,7 +297,8 @@ def run_backend(sgl, backend, args, root) -> dict:
         if w0 is not None and calls:
             # the engine's sleeps per batch: each gives up and takes back the GIL
             out["wakeups_per_batch_get"] = {"posted": (w1[0] - w0[0]) / calls,
-                                            "timeout_5ms": (w1[1] - w0[1]) / calls}
+                                            "timeout_5ms": (w1[1] - w0[1]) / calls,
+                                            "stale": (w1[2] - w0[2]) / calls}
         out["busy_over_idle"] = out["busy_median_s"] and out["idle_median_s"] / out["busy_median_s"]
         out["loop_rate_busy"] = median(rates)
         out["handoffs_per_round"] = median([h for h, _ in handoffs])

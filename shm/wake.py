@@ -25,6 +25,11 @@ class WakeSemaphore:
     def post(self) -> None:
         self._sem.release()
 
+    def pending(self) -> int | None:
+        """Posts not yet consumed (sem_getvalue; the GIL is kept), or None where
+        the platform cannot say (macOS)."""
+        return self._sem.value if posix_ipc.SEMAPHORE_VALUE_SUPPORTED else None
+
     def wait(self, timeout_s: float | None) -> bool:
         """Sleep until posted or the timeout passes (None: no timeout). True if posted."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

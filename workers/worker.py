@@ -259,9 +259,17 @@ class Worker:
             self.done.post()
 
     def _wake_due(self) -> bool:
-        """Post now? Always when no single waiter set a target (control: WAKE_AT)."""
+        """Post now? Always when no single waiter set a target (control: WAKE_AT).
+        With a target, once it is reached, and not if a post is already
+        pending: workers finishing a batch's last pages together each see the
+        target reached, and a second post would end the waiter's next sleep
+        at once for nothing (each sleep costs it a GIL hand-back under a busy
+        scheduler). The pending post is consumed after this completion was
+        pushed, and the waiter drains after waking, so it sees this one."""
         at = int(self.control.words[WAKE_AT])
-        return not at or int(self.control.workers[:, PAGES].sum()) >= at
+        if not at:
+            return True
+        return int(self.control.workers[:, PAGES].sum()) >= at and not self.done.pending()
 
     def _probe(self, digest: bytes) -> int:
         """Is this key's page in the store? One lookup (a read still checks the
