@@ -30,10 +30,12 @@ FALSE_WORDS = frozenset({"false", "0", "no", "off"})
 
 
 def auto_workers() -> int:
-    """Physical cores minus one for the scheduler, at least one."""
+    """Physical cores less what one engine keeps for its scheduler's process
+    (hicache_mp.nodeshare.SCHEDULER_CORES), at least one."""
     import psutil
+    from .nodeshare import SCHEDULER_CORES
     cores = psutil.cpu_count(logical=False) or psutil.cpu_count() or 2
-    return max(1, cores - 1)
+    return max(1, cores - SCHEDULER_CORES)
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ looks; the directory goes when its last engine leaves. Registration runs
 under a flock on the directory itself, so two engines starting together see
 each other. Must not start processes or touch anything but that directory.
 
-The budget: physical cores, less one core per engine for its scheduler,
-split evenly over the engines expected on the node: the larger of
+The budget: physical cores, less SCHEDULER_CORES per engine for its
+scheduler's process, split evenly over the engines expected on the node: the larger of
 `node_engines` (SGLang's adapter passes its node-local rank count, so every
 TP rank computes the same share whatever order they start in) and the
 engines registered plus this one. An engine never takes more than what the
@@ -31,6 +31,14 @@ import os
 import secrets
 
 NODE_DIR = "/dev/shm/hicache_mp-node"
+# Cores kept per engine for the process it serves: the scheduler's loop, and
+# the storage threads beside it (SGLang's prefetch, I/O and backup threads),
+# which wake for every batch. With one core kept, the workers filled the rest,
+# and under load the kernel descheduled a thread that held the GIL: through
+# SGLang's controller on the 16-core H200 box the busy scheduler lost 25 ms
+# per 2 GiB round at 15 workers, 10 ms at 13 and 7 ms at 11, and reads beside
+# a write-through kept 0.67 / 0.85 / 0.82 of their GB/s (docs/decisions.md 64).
+SCHEDULER_CORES = 2
 # Overrides, read when an engine registers: the registry's directory (one per
 # node by default), and the core count (a container whose CPU quota is below
 # the host's core count should say what it has).
@@ -108,9 +116,9 @@ def live_shares(node_dir: str, *, prune: bool = True) -> dict[str, int]:
 
 
 def budget_share(cores: int, engines: int, taken: int) -> int:
-    """Workers for one more engine: an even share of (cores - one per
-    scheduler), no more than what the others left free, at least one."""
-    budget = cores - engines
+    """Workers for one more engine: an even share of (cores - SCHEDULER_CORES
+    per engine), no more than what the others left free, at least one."""
+    budget = cores - SCHEDULER_CORES * engines
     share = budget // engines
     return max(1, min(share, budget - taken))
 
@@ -139,7 +147,8 @@ class NodeShare:
                 schedulers = sum(1 for _, aux in live.values() if not aux)
                 if aux_cap:
                     engines = max(schedulers, int(node_engines or 0), 1)
-                    self.workers = max(1, min(int(aux_cap), cores - engines - taken))
+                    self.workers = max(1, min(int(aux_cap),
+                                              cores - SCHEDULER_CORES * engines - taken))
                 else:
                     engines = max(schedulers + 1, int(node_engines or 0))
                     self.workers = budget_share(cores, engines, taken)

@@ -47,7 +47,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine  # noqa: E402
-from hicache_mp.config import DIRECT_IO_MODES, FSYNC_MODES  # noqa: E402
+from hicache_mp.config import DIRECT_IO_MODES, FSYNC_MODES, auto_workers  # noqa: E402
 from workers import directio, naming, pagefile  # noqa: E402
 
 SCHEMA = "hicache_mp.bench_storage/1"
@@ -376,7 +376,7 @@ def parse_args(argv=None):
                    help="directory on the device to measure (a scratch subdirectory is made in "
                         "it and removed afterwards). Default: $TMPDIR or /tmp")
     p.add_argument("--workers", type=int, nargs="+", default=None,
-                   help="worker counts to sweep (default: 1 2 4 8 and physical cores - 1; "
+                   help="worker counts to sweep (default: 1 2 4 8 and physical cores - 2; "
                         "--quick: 1 2)")
     p.add_argument("--total-gib", type=float, default=None,
                    help="data set size in GiB (default 12; --quick 0.0625). The disk needs about "
@@ -445,8 +445,7 @@ def parse_args(argv=None):
         p.error("--stripes values must be >= 1")
     args.total_gib = args.total_gib or 12.0
     if args.workers is None:
-        import psutil
-        top = max(1, (psutil.cpu_count(logical=False) or 2) - 1)
+        top = auto_workers()
         args.workers = sorted({w for w in (1, 2, 4, 8) if w < top} | {top})
     return args
 

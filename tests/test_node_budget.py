@@ -1,5 +1,5 @@
 """The node-wide worker budget: engines with auto workers, each in its own
-process, share physical cores less one per scheduler; a dead engine's share
+process, share physical cores less two per scheduler's process; a dead engine's share
 is freed; nothing is left in the registry directory."""
 import os
 import signal
@@ -60,9 +60,10 @@ def release(procs):
 
 
 def test_budget_share():
-    assert budget_share(32, 1, 0) == 31
-    assert budget_share(32, 2, 0) == 15 and budget_share(32, 2, 15) == 15
-    assert budget_share(32, 4, 14) == 7
+    assert budget_share(32, 1, 0) == 30
+    assert budget_share(32, 2, 0) == 14 and budget_share(32, 2, 14) == 14
+    assert budget_share(32, 4, 12) == 6
+    assert budget_share(128, 8, 0) == 14
     # a late, unannounced engine gets what is left, and always one
     assert budget_share(32, 2, 31) == 1
     assert budget_share(2, 2, 0) == 1
@@ -74,15 +75,15 @@ def test_shares_across_processes_and_a_dead_engine_frees_its_share(node):
         for _ in range(3):  # one after another: each sees the others registered
             p, workers = child(SHARE, 3, 16)
             procs.append(p)
-            assert workers == 4  # (16 cores - 3 schedulers) // 3
+            assert workers == 3  # (16 cores - 2 for each of 3 schedulers) // 3
         shares = live_shares(node, prune=False)
-        assert len(shares) == 3 and sum(shares.values()) + 3 <= 16
+        assert len(shares) == 3 and sum(shares.values()) + 2 * 3 <= 16
 
         os.kill(procs[1].pid, signal.SIGKILL)  # its share must come back
         procs[1].wait(10)
         late = NodeShare(0, directory=node, cores=16)  # not announced by node_engines
         try:
-            assert late.engines == 3 and late.workers == 4
+            assert late.engines == 3 and late.workers == 3
             assert len(os.listdir(node)) == 3  # the dead engine's entry was removed
         finally:
             late.close()
@@ -92,9 +93,9 @@ def test_shares_across_processes_and_a_dead_engine_frees_its_share(node):
 
 
 def test_engines_in_separate_processes_share_the_node(node, store, monkeypatch):
-    """Two engines with auto workers on a node of 8 cores: 3 workers each
-    (8 - 2 schedulers, halved), not 7 each."""
-    monkeypatch.setenv(NODE_CORES_ENV, "8")
+    """Two engines with auto workers on a node of 10 cores: 3 workers each
+    (10 - 2 x 2 for the schedulers' processes, halved), not 9 each."""
+    monkeypatch.setenv(NODE_CORES_ENV, "10")
     procs = []
     try:
         for _ in range(2):
@@ -132,13 +133,13 @@ def test_auxiliary_engines_take_from_the_budget_but_are_no_schedulers(node):
             shares.append(NodeShare(2, directory=node, cores=12, **kw))
             return shares[-1].workers
 
-        assert share() == 5                  # rank 0's KV engine: (12 - 2) // 2
-        assert share(aux_cap=2) == 2         # its Mamba engine: 5 of the 10 are free
+        assert share() == 4                  # rank 0's KV engine: (12 - 2 x 2) // 2
+        assert share(aux_cap=2) == 2         # its Mamba engine: 4 of the 8 are free
         assert shares[-1].engines == 2       # ... and it is no third scheduler
-        assert share() == 3                  # rank 1's KV engine: what is left
+        assert share() == 2                  # rank 1's KV engine: what is left
         assert share(aux_cap=2) == 1         # none left: still one, never none
         live = live_shares(node, prune=False)
-        assert sorted(live.values()) == [1, 2, 3, 5]
+        assert sorted(live.values()) == [1, 2, 2, 4]
         late = NodeShare(0, directory=node, cores=12)   # 2 schedulers, not 4
         shares.append(late)
         assert late.engines == 3
