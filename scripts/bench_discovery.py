@@ -81,7 +81,7 @@ def make_store(store: str, files: int) -> None:
 
 def loop_core() -> set:
     """The CPU the loop is pinned to and its SMT siblings (one physical core)."""
-    cpu = min(os.sched_getaffinity(0))
+    cpu = max(os.sched_getaffinity(0))
     try:
         with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
             text = f.read().strip()
@@ -160,9 +160,10 @@ def main(argv=None) -> int:
                 if args.writer_cpus == "other" and len(allowed) > 2:
                     # This thread only (Linux): the engine's workers, started
                     # above, keep the whole machine, as they would in a server.
-                    os.sched_setaffinity(0, {min(allowed)})
+                    # The last CPU: the first ones take most of the interrupts.
+                    os.sched_setaffinity(0, {max(allowed)})
                     writer_cpus = sorted(allowed - loop_core())
-                    log(f"  loop pinned to CPU {min(allowed)}; the writer on CPUs {writer_cpus}")
+                    log(f"  loop pinned to CPU {max(allowed)}; the writer on CPUs {writer_cpus}")
                 for r in range(args.rounds):
                     if phase_engine == "probes":
                         rates["quiet"].append(loop(e, args.phase_s, args.exists_every, None))
