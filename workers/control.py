@@ -10,7 +10,7 @@ Every field is an aligned uint64, written by exactly one side:
     STOP, WAITERS, MAX_BYTES, MIN_FREE, WAKE_AT   engine
     STORE_BASE, WRITTEN_AT_SCAN, EVICTOR_PID      evictor
     per worker: READY_PID, BUSY_NS, PAGES, BYTES, WRITTEN, INFLIGHT,
-                READS_DONE                                          that worker
+                INFLIGHT_KEY, READS_DONE                            that worker
     per worker: READS_SUBMITTED                   engine (and reset, with
                 READS_DONE, by the pool before a worker's replacement starts)
     HEARTBEAT[worker][lane] = CLOCK_MONOTONIC ns  that worker's lane (0: idle;
@@ -25,7 +25,11 @@ on x86 (TSO) a reader that sees a half-published update over-estimates,
 never under-estimates. WRITTEN is what each worker has reserved in all (it
 reserves a file's bytes before writing it, and gives them back if the write
 fails); INFLIGHT is the reservation of the write it is doing now, which a
-directory scan may not see yet: the evictor adds it to STORE_BASE.
+directory scan may not see yet: the evictor adds it to STORE_BASE, unless
+its scan met that write's result. INFLIGHT_KEY names that write
+(`write_key` of its digest; stored before INFLIGHT, left in place after) so
+the evictor can tell the write's own temp file and page file in its scan
+and count the write once (workers/evictor.py: counting a write once).
 
 Reads outstanding: READS_SUBMITTED - READS_DONE, summed over workers, is the
 number of read pages the engine has handed out and no worker has finished.
@@ -71,7 +75,7 @@ MAX_LANES = 32   # io_depth bound: one heartbeat word per lane
 SLOW_IO_S = 0.5  # a page I/O older than this no longer holds back other workers' writes
 CANCEL_SLOTS = 4096
 PIN_SLOTS = 1 << 16
-_WORKER_FIELDS = 8
+_WORKER_FIELDS = 9
 STOP, WAITERS, STORE_BASE, WRITTEN_AT_SCAN, MAX_BYTES, MIN_FREE, EVICTOR_PID, WAKE_AT = range(8)
 _WORKERS_AT = 8
 _CANCEL_AT = _WORKERS_AT + MAX_WORKERS * _WORKER_FIELDS
@@ -79,8 +83,8 @@ _PINS_AT = _CANCEL_AT + CANCEL_SLOTS
 _HEARTBEAT_AT = _PINS_AT + PIN_SLOTS
 _TOTAL = _HEARTBEAT_AT + MAX_WORKERS * MAX_LANES
 CONTROL_BYTES = _TOTAL * 8
-READY_PID, BUSY_NS, PAGES, BYTES, WRITTEN, INFLIGHT, READS_SUBMITTED, READS_DONE = \
-    range(_WORKER_FIELDS)
+READY_PID, BUSY_NS, PAGES, BYTES, WRITTEN, INFLIGHT, READS_SUBMITTED, READS_DONE, \
+    INFLIGHT_KEY = range(_WORKER_FIELDS)
 
 
 def pin_slots(digests: np.ndarray) -> np.ndarray:
@@ -90,6 +94,11 @@ def pin_slots(digests: np.ndarray) -> np.ndarray:
 
 def pin_slot(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "little") % PIN_SLOTS
+
+
+def write_key(digest: bytes) -> int:
+    """The INFLIGHT_KEY word naming a write of this page (its digest's first 8 bytes)."""
+    return int.from_bytes(digest[:8], "little")
 
 
 class Control:

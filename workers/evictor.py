@@ -17,10 +17,12 @@ behind writes exactly when the disk fills. Torch-free, like the workers.
                                   sleeps on evict_sem ◄──────────── DROPPED, post evict_sem
 
 A pass (when a worker posts that a limit is near, and every `interval_s`):
-  1. snapshot sum(WRITTEN) and sum(INFLIGHT), scan each part of the store
-     (one per directory of a striped store; page files and temp files count
-     towards the total; only page files are removed);
-  2. publish STORE_BASE (scanned bytes + INFLIGHT), then WRITTEN_AT_SCAN
+  1. snapshot sum(WRITTEN) and the writes in flight (INFLIGHT and its key
+     per worker), scan each part of the store (one per directory of a
+     striped store; page files and temp files count towards the total; only
+     page files are removed);
+  2. count each of this engine's writes in flight once (below), publish
+     STORE_BASE (scanned bytes + writes in flight), then WRITTEN_AT_SCAN
      (workers.control explains the order);
   3. per part (one per directory of a striped store), with its share of the
      limits (max_bytes / parts, the floor on its own filesystem): if it holds
@@ -32,6 +34,17 @@ A pass (when a worker posts that a limit is near, and every `interval_s`):
      headroom` and has `min_free + 2 * headroom` free (hysteresis: one pass
      frees room for several writes, not one), reporting each on the evict
      ring.
+
+Counting a write once (workers.inflight has the rule and why it never
+under-counts): a write of this engine in flight when the pass starts is in
+the INFLIGHT snapshot, and the scan may also meet its temp file, or, as a
+scan of a big or remote store takes far longer than one write, the page it
+has renamed into place since. Counted both ways, the pass removed a page
+more than needed per write in flight. So the write's own temp file (told by
+this host's owner field, the worker's pid and the page's key in its name) is
+left out, and its reservation is left out when the write had ended by the
+end of the scan and the scan met its page. Other writers' temp files (other
+engines, dead workers) always count: their bytes are in no INFLIGHT of ours.
 
 Safety with several engines on one directory: page files are immutable
 (writers rename a whole new file over the old name), so removing one never
@@ -56,12 +69,12 @@ import numpy as np
 
 from shm import Ring, WakeSemaphore
 from shm.ring import RECORD_DTYPE
-from workers import evictlease
+from workers import evictlease, inflight
 from workers.child import PARENT_CHECK_S, Child, ParentWatch, child_main, orphan_cleanup, \
     wait_ready
 from workers.records import KIND_EVICT
 from workers.store import open_store
-from workers.control import EVICTOR_PID, INFLIGHT, MAX_BYTES, MIN_FREE, STOP, STORE_BASE, WRITTEN, \
+from workers.control import EVICTOR_PID, MAX_BYTES, MIN_FREE, STOP, STORE_BASE, WRITTEN, \
     WRITTEN_AT_SCAN, Control, pin_slot
 
 LEASE_CHECK_EVERY = 64  # removals between checks that the eviction lease is still ours
@@ -108,10 +121,10 @@ class Evictor:
     # --- one pass -----------------------------------------------------------
     def one_pass(self) -> int:
         parts = self.store.parts()
-        scans, in_flight = self._measure(parts)
+        scans, held, in_flight = self._measure(parts)
         removed = 0
         for i, part in enumerate(parts):
-            if self._need(part, scans[i], in_flight, len(parts)) <= 0:
+            if self._need(part, held[i], in_flight, len(parts)) <= 0:
                 continue
             # The store may be shared: one evictor at a time per directory, on a
             # fresh measure (workers.evictlease). Without the lease another one is at it.
@@ -119,35 +132,38 @@ class Evictor:
             if lease is None:
                 continue
             try:
-                scans, in_flight = self._measure(parts)
+                scans, held, in_flight = self._measure(parts)
                 removed += self._evict(part, scans[i].pages,
-                                       self._need(part, scans[i], in_flight, len(parts)), lease)
+                                       self._need(part, held[i], in_flight, len(parts)), lease)
             finally:
                 lease.release()
         return removed
 
-    def _measure(self, parts: list) -> tuple[list, int]:
+    def _measure(self, parts: list) -> tuple[list, list, int]:
         """Scan every part (every node's files) and publish the store's size to
-        the workers; ([Scan] per part, bytes reserved by writes in flight)."""
+        the workers; ([Scan] per part, bytes per part less this engine's writes
+        in flight, bytes reserved by those writes), each write counted once."""
         words = self.control.words
-        # WRITTEN first, then INFLIGHT: a write reserved between the two loads is
-        # then counted twice (safe), never missed. A write in flight now may not
-        # be on disk when the scan passes its directory: INFLIGHT covers it.
+        # WRITTEN first, then the writes in flight: a write reserved between the
+        # two loads is then counted twice (safe), never missed. A write in flight
+        # now may not be on disk when the scan passes its directory: its
+        # reservation covers it (workers.inflight: and is counted once).
         written_before = int(self.control.workers[:, WRITTEN].sum())
-        in_flight = int(self.control.workers[:, INFLIGHT].sum())
+        writes = inflight.before(self.control)
         scans = [part.scan() for part in parts]
+        held, in_flight = inflight.count_once(self.control, scans, writes)
         # Anything written while we scanned may be counted twice: an over-estimate.
-        words[STORE_BASE] = sum(one.total_bytes for one in scans) + in_flight
+        words[STORE_BASE] = sum(held) + in_flight
         words[WRITTEN_AT_SCAN] = written_before
-        return scans, in_flight
+        return scans, held, in_flight
 
-    def _need(self, part, one, in_flight: int, nparts: int) -> int:
+    def _need(self, part, held: int, in_flight: int, nparts: int) -> int:
         """Bytes to remove from one part so it is back inside its share of the
         limits, with hysteresis. Placement by digest fills the parts evenly."""
         words = self.control.words
         max_bytes, min_free = int(words[MAX_BYTES]), int(words[MIN_FREE])
         share, headroom = max_bytes // nparts, max(self.headroom // nparts, 1)
-        used = one.total_bytes + in_flight // nparts
+        used = held + in_flight // nparts
         need = 0
         if max_bytes and used > share - headroom:
             need = used - (share - 2 * headroom)

@@ -273,10 +273,10 @@ class FileStore(PageStore):
         return naming.page_path(self.root, digest)
 
     def scan(self, reap_tmp: bool = False) -> Scan:
-        """Every page file (regular files only) and the bytes of pages and temp
-        files; with `reap_tmp`, temp files of dead writers are removed
-        (workers.tmpfiles says which)."""
-        pages, total, reaped = [], 0, 0
+        """Every page file (regular files only), every temp file's name and size,
+        and the bytes of both; with `reap_tmp`, temp files of dead writers are
+        removed (workers.tmpfiles says which)."""
+        pages, temps, total, reaped = [], [], 0, 0
         now = time.time()
         for sub in fanout_dirs(self.root):
             try:
@@ -303,8 +303,10 @@ class FileStore(PageStore):
                             continue
                         except OSError:
                             pass
+                    if digest is None:
+                        temps.append((entry.name, st.st_size))
                     total += st.st_size
-        return Scan(pages, total, reaped)
+        return Scan(pages, total, reaped, tuple(temps))
 
     def free_bytes(self, digest: bytes | None = None) -> int | None:
         return free_bytes(self.root)

@@ -55,6 +55,7 @@ class Scan(NamedTuple):
     pages: list          # [Page]
     total_bytes: int     # page files and temp files: what the store holds
     stale_removed: int   # temp files of dead writers removed (reap_tmp)
+    temps: tuple = ()    # ((file name, size), ...): the temp files in total_bytes
 
 
 class PageStore:

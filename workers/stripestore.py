@@ -47,13 +47,14 @@ class StripedStore(PageStore):
         return self.part(digest).path(digest)
 
     def scan(self, reap_tmp: bool = False) -> Scan:
-        pages, total, reaped = [], 0, 0
+        pages, temps, total, reaped = [], [], 0, 0
         for store in self.stores:
             one = store.scan(reap_tmp)
             pages += one.pages
+            temps += one.temps
             total += one.total_bytes
             reaped += one.stale_removed
-        return Scan(pages, total, reaped)
+        return Scan(pages, total, reaped, tuple(temps))
 
     def free_bytes(self, digest: bytes | None = None) -> int | None:
         if digest is not None:

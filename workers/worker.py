@@ -74,8 +74,8 @@ from workers.records import KIND_PROBE, KIND_READ, KIND_WRITE
 from workers.share import WriteShare
 from workers.spec import WorkerSpec
 from workers.store import StoreIO, open_store
-from workers.control import BUSY_NS, BYTES, INFLIGHT, MAX_BYTES, MIN_FREE, PAGES, READS_DONE, \
-    READY_PID, WAITERS, WAKE_AT, WRITTEN, Control
+from workers.control import BUSY_NS, BYTES, INFLIGHT, INFLIGHT_KEY, MAX_BYTES, MIN_FREE, PAGES, \
+    READS_DONE, READY_PID, WAITERS, WAKE_AT, WRITTEN, Control, write_key
 
 # A write deferred for reads at other workers goes after this long anyway: the
 # backstop against starving backups (their host pages stay pinned meanwhile).
@@ -284,7 +284,10 @@ class Worker:
         last bytes both see each other's claim (both may refuse: the safe side).
         """
         words, nbytes = self.control.words, self.file_bytes
-        self.stats[INFLIGHT] = nbytes  # before WRITTEN: see Evictor.one_pass
+        # This order (key, INFLIGHT, WRITTEN) is the one workers.evictor's
+        # count-once rule and its WRITTEN-first snapshot rely on.
+        self.stats[INFLIGHT_KEY] = write_key(digest)
+        self.stats[INFLIGHT] = nbytes
         self.stats[WRITTEN] += np.uint64(nbytes)
         est = self.control.store_estimate()
         max_bytes, min_free = int(words[MAX_BYTES]), int(words[MIN_FREE])

@@ -4,10 +4,16 @@ page that an op in flight names; writes that would cross a limit are dropped
 with a status at once; the index forgets what was evicted.
 """
 import os
+import signal
 import time
 
-from faultkit import backup, content, fingerprint, make, page_file, prefetch, put, settle, \
-    wrong_pages
+import pytest
+
+from faultkit import BIG, backup, content, fingerprint, make, page_file, prefetch, \
+    put, settle, stop_during_io, store_files, wrong_pages
+from shm import PageGeometry
+from workers.evictlease import LEASE_NAME
+from workers.evictor import headroom_bytes
 from storagekit import ALIGNED, FILE_BYTES, cont, mount, need_root, stop_workers, store_bytes, \
     umount
 from workers import naming, tmpfiles
@@ -159,3 +165,98 @@ def test_min_free_bytes_is_kept_on_a_small_filesystem(tmp_path):
             assert _evicted(e, 8)
     finally:
         umount(mnt)
+
+
+# --- a write in flight is counted once -------------------------------------------
+def _hold_with_temp_written(pid, file_bytes):
+    """Step the stopped worker `pid` until it holds its page write's temp file
+    open with every byte written (in the fdatasync before the rename); the
+    worker is left stopped. None if every step ran past that point."""
+    def written(path):
+        try:
+            return naming.TMP_MARK in path and os.path.getsize(path) == file_bytes
+        except OSError:
+            return False
+    return stop_during_io(pid, written, timeout_s=5.0)
+
+
+def _listing_fanout_under_lease(store):
+    """The evictor's state wanted: holding the eviction lease, listing the
+    store's fan-out directories (root or a top level open), no page file
+    directory visited yet."""
+    def wanted(path):
+        if not os.path.exists(os.path.join(store, LEASE_NAME)):
+            return False
+        rel = os.path.relpath(path, store)
+        return rel == "." or (len(rel) == 2 and os.path.isdir(path))
+    return wanted
+
+
+@pytest.mark.parametrize("met", ["temp file", "renamed page"])
+def test_a_pass_counts_a_write_in_flight_once(store, met):
+    """Engine E (one worker, limit L pages) has one page write in flight; the
+    store holds P pages another engine wrote, P + 1 past E's trigger. E's
+    pass must count that write once, as its reservation or as the file its
+    scan meets, and leave exactly the hysteresis target once the write lands.
+    `temp file`: the worker is held with its temp file written for the whole
+    pass. `renamed page`: the evictor is held after its pre-scan snapshot,
+    under the lease, and the write finishes (renamed, INFLIGHT cleared)
+    before its scan reaches any page directory."""
+    limit = 24
+    file_bytes = 4096 + PageGeometry(**BIG).page_bytes
+    h = headroom_bytes(limit * file_bytes, 0, file_bytes) // file_bytes
+    target = limit - 2 * h
+    # Empty fan-out directories (a scan lists any two-character name): a longer
+    # listing phase, where the evictor is held.
+    chars = "0123456789abcdefghijklmnopqrstuvwxyz"
+    for top in (a + b for a in chars for b in chars):
+        os.makedirs(os.path.join(store, top, "00"), mode=0o700)
+    # fsync: a write spends milliseconds between its last byte and its rename.
+    cfg = dict(geo=BIG, pages=4, workers=1, storage_max_bytes=limit * file_bytes,
+               eviction_interval_s=3600.0, fsync="data")  # passes only when the test asks
+    with make(store, **cfg) as e:
+        pb = e.geometry.page_bytes
+        with make(store, geo=BIG, pages=limit - h, workers=1) as other:   # no limit
+            backup(other, [f"p{i}" for i in range(limit - h)], range(limit - h))
+        worker = e._pool.workers[0].pid
+        os.kill(worker, signal.SIGSTOP)
+        tmp = None
+        for attempt in range(5):  # a write that ran past the window is one more page
+            key = f"held{attempt}"
+            put(e, attempt % 4, content(key, pb))
+            op = e.backup([key], [attempt % 4])
+            tmp = _hold_with_temp_written(worker, file_bytes)
+            if tmp:
+                break
+            os.kill(worker, signal.SIGCONT)
+            assert e.wait(op, 30) and op.status == "ok"
+            os.kill(worker, signal.SIGSTOP)
+        assert tmp, "never held the worker with its temp file written"
+        before = len(store_files(store)[0])
+        assert before + 1 > limit - h  # the pass must evict
+        evictor = e._evictor.proc.pid
+        try:
+            if met == "temp file":
+                e._evictor.wake.post()
+                assert _evicted(e, before + 1 - target)
+                _evictor_idle(e)
+            else:
+                os.kill(evictor, signal.SIGSTOP)
+                e._evictor.wake.post()
+                assert stop_during_io(evictor, _listing_fanout_under_lease(store)), \
+                    "never held the evictor listing the store under its lease"
+                os.kill(worker, signal.SIGCONT)
+                assert e.wait(op, 30) and op.status == "ok"
+                assert os.path.exists(page_file(e, key)) and not os.path.exists(tmp)
+                os.kill(evictor, signal.SIGCONT)
+                assert _evicted(e, before + 1 - target)
+                _evictor_idle(e)
+        finally:
+            os.kill(evictor, signal.SIGCONT)
+            os.kill(worker, signal.SIGCONT)
+        assert e.wait(op, 30) and op.status == "ok"
+        pages = len(store_files(store)[0])
+        assert pages == target, (f"{pages} pages left, target {target} "
+                                 f"(evicted {e.metrics()['evicted_pages']} of {before + 1})")
+        assert e.metrics()["evicted_pages"] == before + 1 - target
+        assert os.path.exists(page_file(e, key))  # the newest page stays
