@@ -2,13 +2,14 @@
 
 Owns starting and stopping the volume (`juicefs format` with the `file` object
 store and SQLite metadata, one `juicefs mount -d` per node, each with its own
-cache directory and log) and nothing else: tests and the benchmark put their
-stores under the mounts. Two mounts of one volume are two independent clients:
+cache directory and log) and one read of its metadata engine (`MetaView`), and
+nothing else: tests and the benchmark put their stores under the mounts. Two mounts of one volume are two independent clients:
 each has its own kernel dentry/attribute cache and its own JuiceFS buffers,
 and they agree only through the metadata engine, as two machines would.
 """
 import os
 import shutil
+import sqlite3
 import subprocess
 import time
 
@@ -89,3 +90,40 @@ def client_pids(meta: str) -> list[int]:
         except psutil.Error:
             pass
     return out
+
+
+# Files of a store: page files and temp files (workers.naming's names).
+_STORE_FILES = """
+WITH RECURSIVE dirs(inode) AS (
+    SELECT ? UNION ALL
+    SELECT e.inode FROM jfs_edge e JOIN dirs d ON e.parent = d.inode WHERE e.type = 2)
+SELECT count(*), coalesce(sum(n.length), 0)
+FROM jfs_edge e JOIN dirs d ON e.parent = d.inode JOIN jfs_node n ON n.inode = e.inode
+WHERE e.type = 1 AND (cast(e.name AS text) LIKE '%.page' OR cast(e.name AS text) LIKE '%.tmp.%')
+"""
+
+
+class MetaView:
+    """What the metadata engine says a directory tree holds, in one read.
+
+    A walk through a mount is no snapshot: under load it lasts long enough
+    for pages to be written behind it and removed ahead of it, so its sum can
+    be below (or above) anything the store ever held. One SQL read of the
+    volume's SQLite metadata (WAL: readers never block the clients) is one
+    committed state. Sizes are what the clients have committed: a file being
+    written counts what its client has flushed so far.
+    """
+
+    def __init__(self, meta: str, directory: str):
+        assert meta.startswith("sqlite3://"), meta
+        self.db = sqlite3.connect(f"file:{meta[len('sqlite3://'):]}?mode=ro", uri=True,
+                                  check_same_thread=False)
+        self.inode = os.stat(directory).st_ino  # JuiceFS hands FUSE its own inode numbers
+
+    def store_files(self) -> tuple[int, int]:
+        """(page and temp files, their bytes) under the directory."""
+        files, nbytes = self.db.execute(_STORE_FILES, (self.inode,)).fetchone()
+        return int(files), int(nbytes)
+
+    def close(self) -> None:
+        self.db.close()
