@@ -312,6 +312,10 @@ def run_backend(sgl, backend, args, root) -> dict:
             out["read_with_write_s"] = median(out["read_with_write_runs_s"])
             for k in ("read_with_write_ok", "write_during_read_ok"):
                 out[k] = all(x[k] for x in rounds)
+            if all("wakeups" in x for x in rounds):
+                out["read_with_write_wakeups"] = {
+                    "posted": median([x["wakeups"][0] for x in rounds]),
+                    "timeout_5ms": median([x["wakeups"][1] for x in rounds])}
         out["calls"] = dict(s.calls)
         out["wrong_pages"], out["checked_pages"] = s.wrong_pages, s.checked_pages
     finally:
@@ -325,14 +329,20 @@ def read_during_write(s: Stack, args, r: int = 0) -> dict:
     first = 10**7 + r * s.pages * s.P
     tokens = list(range(first, first + s.pages * s.P))
     hashes = s.sgl.get_storage_hash_str(tokens, None, page_size=s.P)
+    w0 = _wakeups(s)
     s.ctl.write_storage(s.extra_src, tokens, hash_value=hashes)
     time.sleep(0.001)
     t, done = s.read(Scheduler(False))
+    w1 = _wakeups(s)
     # the backup's ack comes back on the queue the scheduler drains
     op = Scheduler(False).get(s.ctl.ack_backup_queue, time.monotonic() + args.timeout_s)
     del threading
-    return {"read_with_write_s": t, "read_with_write_ok": done == len(s.tokens),
-            "write_during_read_ok": op.completed_tokens == len(tokens)}
+    out = {"read_with_write_s": t, "read_with_write_ok": done == len(s.tokens),
+           "write_during_read_ok": op.completed_tokens == len(tokens)}
+    if w0 is not None:
+        # the engine's sleeps while the prefetch ran (SGLang's backup thread waits too)
+        out["wakeups"] = (w1[0] - w0[0], w1[1] - w0[1])
+    return out
 
 
 def injector_run(sgl, args, root) -> dict:

@@ -2,8 +2,10 @@
 
 Owns "move exactly these bytes, or say how many moved": continuing after a
 short read or write (network filesystems return them), and leaving O_DIRECT
-for the tail of a transfer that stopped off a block boundary. Must not open
-or name files, or judge their contents: `workers.worker` does that.
+for the tail of a transfer that stopped off a block boundary; and cutting a
+buffered write into pieces (`pieces`), between which a worker may pause it.
+Must not open or name files, or judge their contents, nor decide when a
+write pauses: `workers.worker` does that.
 """
 import fcntl
 import os
@@ -32,14 +34,39 @@ def preadv_full(fd: int, iovecs: list, total: int, direct: bool = False) -> int:
     return got
 
 
-def pwritev_full(fd: int, iovecs: list, direct: bool = False) -> None:
+# A buffered page write goes in pieces of about this many bytes: the finest a
+# worker can pause it for reads (docs/decisions.md 64). About 0.3 ms of copy
+# into the page cache; a piece costs one more pwritev and a gate check.
+WRITE_PIECE_BYTES = 1 << 20
+
+
+def pwritev_full(fd: int, iovecs: list, direct: bool = False, offset: int = 0) -> None:
     total = sum(len(v) for v in iovecs)
-    done = os.pwritev(fd, iovecs, 0)
+    done = os.pwritev(fd, iovecs, offset)
     while done < total:
         if direct and not directio.aligned(done):
             clear_direct(fd)  # as in preadv_full: finish an odd short write buffered
             direct = False
-        done += os.pwritev(fd, skip(iovecs, done), done)
+        done += os.pwritev(fd, skip(iovecs, done), offset + done)
+
+
+def pieces(iovecs: list, size: int = WRITE_PIECE_BYTES) -> list[list]:
+    """The iovecs cut, in order, into runs of `size` bytes (the last may be
+    shorter); an iovec crossing a boundary is split into memoryview slices."""
+    out, cur, room = [], [], size
+    for v in iovecs:
+        mv = memoryview(v)
+        while len(mv):
+            take = mv[:room]
+            cur.append(take)
+            mv = mv[len(take):]
+            room -= len(take)
+            if room == 0:
+                out.append(cur)
+                cur, room = [], size
+    if cur:
+        out.append(cur)
+    return out
 
 
 def clear_direct(fd: int) -> None:

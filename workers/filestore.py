@@ -11,7 +11,11 @@ A read is: open the leaf directory, open the page file, one preadv (header
 and payload straight into the pool slot's iovecs, plus an overflow guard),
 check, close. A write is a pwritev into a private temp file
 (workers.tmpfiles) and os.replace over the final name, so readers see the
-old page or the new one, never a part.
+old page or the new one, never a part. Buffered, and when the caller's
+`bufs` carries a `gate`, the pwritev goes in pieces (workers.fileio.pieces)
+with `gate()` called between two: the worker may pause a write there while
+reads wait. O_DIRECT writes stay one pwritev (they wait on the device, not
+on a core, and aligned pieces would only shrink the device's requests).
 
 Nothing is ever reached through a symlink below the root: each fan-out level
 and the file itself are opened relative to the directory above with
@@ -35,7 +39,7 @@ import stat
 import time
 
 from workers import directio, naming, pagefile, status, tmpfiles
-from workers.fileio import preadv_full, pwritev_full
+from workers.fileio import pieces, preadv_full, pwritev_full
 from workers.store import Page, PageStore, Scan, StoreIO, free_bytes
 
 DIR_MODE = 0o700
@@ -201,7 +205,17 @@ class FileStore(PageStore):
             # (directio.geometry_aligned), so the file length is too.
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
                          | self.open_flags, 0o600, dir_fd=leaf)
-            pwritev_full(fd, [bufs.write_header, *iovecs], self.io.direct)
+            vecs = [bufs.write_header, *iovecs]
+            gate = None if self.io.direct else getattr(bufs, "gate", None)
+            if gate is None:
+                pwritev_full(fd, vecs, self.io.direct)
+            else:
+                at = 0
+                for i, piece in enumerate(pieces(vecs)):
+                    if i:
+                        gate()  # the worker may hold the rest while reads wait
+                    pwritev_full(fd, piece, False, at)
+                    at += sum(len(v) for v in piece)
             if self.io.fsync == "data":
                 os.fdatasync(fd)
             elif self.io.fsync == "always":

@@ -57,14 +57,28 @@ class Lane:
     must be a whole block), which costs nothing at a true EOF.
     """
 
-    def __init__(self, direct: bool, slot: int):
+    def __init__(self, direct: bool, slot: int, gate=None):
         self.slot = slot  # its heartbeat word (workers.control)
+        # Called by the store between two pieces of a buffered write (None: the
+        # write goes whole); the time spent in it is `paused_ns`, not I/O.
+        self.gate = gate
+        self.paused_ns = 0
         self.scratch = directio.Scratch(3 * directio.ALIGN)
         self.header = self.scratch[0:pagefile.HEADER_SIZE]
         spare = directio.ALIGN if direct else 1
         self.overflow = self.scratch[directio.ALIGN:directio.ALIGN + spare]
         self.write_header = self.scratch[2 * directio.ALIGN:3 * directio.ALIGN]
         self.out = np.zeros(1, dtype=RECORD_DTYPE)
+
+
+def gate_for(worker, lane: Lane):
+    """The pause point of `lane`'s buffered writes (Worker.write_gate), or None
+    with O_DIRECT: such a write waits on the device, not on a core, so it
+    takes nothing from reads but device time, which reads-first across
+    workers already rations before the write starts."""
+    if not worker.gated:
+        return None
+    return lambda: worker.write_gate(lane)
 
 
 class WriteLane:
@@ -78,6 +92,7 @@ class WriteLane:
     def __init__(self, worker):
         self.w = worker
         self.lane = Lane(worker.direct, 1)  # heartbeat slot 1: the loop's own is 0
+        self.lane.gate = gate_for(worker, self.lane)
         self.busy = False
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="io-write", daemon=True)
@@ -135,8 +150,11 @@ def run_lanes(worker) -> bool:
     free = threading.Semaphore(w.depth)
     work: queue.SimpleQueue = queue.SimpleQueue()
     dispatch = _Dispatch(w)
-    threads = [threading.Thread(target=_lane_loop, args=(w, Lane(w.direct, i), work, free, dispatch),
-                                name=f"io-lane-{i}", daemon=True) for i in range(w.depth)]
+    lanes = [Lane(w.direct, i) for i in range(w.depth)]
+    for lane in lanes:
+        lane.gate = gate_for(w, lane)
+    threads = [threading.Thread(target=_lane_loop, args=(w, lane, work, free, dispatch),
+                                name=f"io-lane-{lane.slot}", daemon=True) for lane in lanes]
     for t in threads:
         t.start()
     orphaned = False

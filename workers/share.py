@@ -14,7 +14,13 @@ whatever their cost relative to a read. A count of pages cannot do that: on
 the H200 box an 8 MiB write (O_DIRECT, ~60 ms) costs about twenty page-cache
 reads (~3 ms).
 
-Credit is earned only while a write waits, and capped (CREDIT_CAP_NS, or one
+A buffered write in flight is paused between its pieces while reads wait
+and its credit does not cover the next piece (workers.worker.write_gate):
+each piece run while reads waited is charged as it ends, so a write that
+started free, just before a prefetch arrived, takes no more of the reads'
+time than one piece plus its share.
+
+Credit is earned only while a write waits (queued or paused), and capped (CREDIT_CAP_NS, or one
 write's estimate if that is larger, so any write can become affordable), so
 a read-only stretch banks nothing: a prefetch that meets a fresh backup
 starts with no write ahead of its reads. A write that starts with no read
@@ -41,9 +47,10 @@ class WriteShare:
         self.credit_ns = 0.0
         self._lock = threading.Lock()
 
-    def may_write(self) -> bool:
-        """Does the credit cover one more write while reads wait?"""
-        return self.credit_ns >= self.write_ns
+    def may_write(self, part: float = 1.0) -> bool:
+        """Does the credit cover one more write (or `part` of one: a piece of a
+        write already under way) while reads wait?"""
+        return self.credit_ns >= self.write_ns * part
 
     def read_done(self, io_ns: int, writes_waiting: bool) -> None:
         if not writes_waiting:
@@ -52,11 +59,17 @@ class WriteShare:
             cap = max(CREDIT_CAP_NS, self.write_ns)
             self.credit_ns = min(cap, self.credit_ns + io_ns * self.rate)
 
-    def write_done(self, io_ns: int, paid: bool, measured: bool) -> None:
-        """A write finished after `io_ns`; `paid`: it started while reads
-        waited (charge it); `measured`: it really wrote (update the estimate)."""
+    def charge(self, io_ns: int) -> None:
+        """A piece of a write ran `io_ns` while reads waited."""
         with self._lock:
-            if paid:
-                self.credit_ns -= io_ns
+            self.credit_ns -= io_ns
+
+    def write_done(self, io_ns: int, charge_ns: int, measured: bool) -> None:
+        """A write finished after `io_ns` of I/O (pauses not counted), the last
+        `charge_ns` of it run while reads waited (charged now: pieces before
+        it were charged as they ended); `measured`: it really wrote (update
+        the estimate)."""
+        with self._lock:
+            self.credit_ns -= charge_ns
             if measured:
                 self.write_ns += EWMA_WEIGHT * (io_ns - self.write_ns)

@@ -75,7 +75,8 @@ from workers.share import WriteShare
 from workers.spec import WorkerSpec
 from workers.store import StoreIO, open_store
 from workers.control import BUSY_NS, BYTES, INFLIGHT, INFLIGHT_KEY, MAX_BYTES, MIN_FREE, PAGES, \
-    READS_DONE, READY_PID, WAITERS, WAKE_AT, WRITTEN, Control, write_key
+    READS_DONE, READS_SUBMITTED, READY_PID, WAITERS, WAKE_AT, WRITTEN, Control, write_key
+from workers.fileio import WRITE_PIECE_BYTES
 
 # A write deferred for reads at other workers goes after this long anyway: the
 # backstop against starving backups (their host pages stay pinned meanwhile).
@@ -121,7 +122,15 @@ class Worker:
         self.evict_wake = WakeSemaphore(spec.evict_sem, create=False) if spec.evict_sem else None
         self.headroom = spec.evict_headroom
         self.num_workers = spec.num_workers
-        self.write_paid = False  # the write in flight (one at most) was charged to the credit
+        # The write in flight (one at most): is its current piece charged to the
+        # credit (reads wait), when did that piece start, I/O time of the pieces
+        # before it. Buffered writes pause between pieces (write_gate).
+        self.write_paid = False
+        self.piece_t0 = 0
+        self.pieces_ns = 0
+        self.gated = not self.direct
+        self.write_paused = False
+        self.nudge = threading.Event()  # a read finished while a write was paused
         self.deferred_since = None  # monotonic time a waiting write was first deferred
         self.pid = os.getpid()
         # One producer at a time on the completion ring (SPSC), and the stats
@@ -167,9 +176,10 @@ class Worker:
         finally:
             writer.close()
 
-    def write_turn(self, reads_here: bool) -> bool | None:
-        """May a queued write start now? None: not yet; True: yes, on credit
-        (reads wait: it is charged); False: yes, free.
+    def write_turn(self, reads_here: bool, part: float = 1.0) -> bool | None:
+        """May a queued write start now (or, `part` < 1, the next piece of a
+        paused one go on)? None: not yet; True: yes, on credit (reads wait: it
+        is charged); False: yes, free.
 
         Free when no read waits here (`reads_here`) nor is outstanding at any
         worker. Else on credit (workers.share); with no read of its own a
@@ -179,7 +189,7 @@ class Worker:
         if not reads_here and not self.control.reads_outstanding(self.num_workers):
             self.deferred_since = None
             return False
-        if self.share.may_write():
+        if self.share.may_write(part):
             self.deferred_since = None
             return True
         if reads_here:
@@ -201,15 +211,54 @@ class Worker:
     def serve(self, rec, lane: Lane) -> None:
         t0 = time.perf_counter_ns()
         self.heartbeat[lane.slot] = time.monotonic_ns()  # the engine's watchdog looks at it
+        lane.paused_ns = 0
+        if rec["kind"] == KIND_WRITE:
+            self.piece_t0, self.pieces_ns = t0, 0
         if rec["kind"] == KIND_PROBE:  # belongs to no op: never "cancelled"
             code, err = self._probe(rec["digest"].tobytes()), 0
         elif self.control.cancelled(int(rec["op_id"])):
             code, err = status.CANCELLED, 0
         else:
             code, err = self.start(rec, lane)
-        io_ns = time.perf_counter_ns() - t0
+        io_ns = time.perf_counter_ns() - t0 - lane.paused_ns
         self.heartbeat[lane.slot] = 0
         self.complete(rec, lane, code, err, io_ns)
+
+    def write_gate(self, lane: Lane) -> None:
+        """Between two pieces of a buffered write (the store calls it, through
+        `lane.gate`): charge the piece just written if reads waited, then let
+        the next go only when `write_turn` would let a write of that size
+        start. Until then the write is paused: its thread sleeps (it takes no
+        core from the reads, and no device time), woken by each read done
+        here or every DEFER_POLL_S (reads elsewhere end unannounced). A pause
+        is not I/O: it counts in no io_ns and shows in no heartbeat, so the
+        watchdog and reads-first's stuck-worker rule never see a paused write
+        as a stuck one. A stop or a gone parent lets the write finish."""
+        now = time.perf_counter_ns()
+        piece = now - self.piece_t0
+        self.pieces_ns += piece
+        if self.write_paid:
+            self.share.charge(piece)
+        paid = self._piece_turn()
+        if paid is None:
+            self.heartbeat[lane.slot] = 0
+            self.write_paused = True
+            try:
+                while paid is None and not self.control.stopping() and not self.parent_gone():
+                    self.nudge.wait(DEFER_POLL_S)
+                    self.nudge.clear()
+                    paid = self._piece_turn()
+            finally:
+                self.write_paused = False
+            self.heartbeat[lane.slot] = time.monotonic_ns()
+        self.write_paid = bool(paid)
+        t = time.perf_counter_ns()
+        lane.paused_ns += t - now
+        self.piece_t0 = t
+
+    def _piece_turn(self) -> bool | None:
+        reads_here = int(self.stats[READS_SUBMITTED]) > int(self.stats[READS_DONE])
+        return self.write_turn(reads_here, min(1.0, WRITE_PIECE_BYTES / self.file_bytes))
 
     def start(self, rec, lane: Lane) -> tuple[int, int]:
         """Do one record's page I/O on the store: (status, errno)."""
@@ -238,9 +287,10 @@ class Worker:
         out["flags"][0] = err
         out["io_ns"][0] = io_ns
         if rec["kind"] == KIND_WRITE:  # settled before anyone sees the write done
-            self.share.write_done(io_ns, self.write_paid, code == status.OK)
+            last = io_ns - self.pieces_ns  # the pieces before it were charged as they ended
+            self.share.write_done(io_ns, last if self.write_paid else 0, code == status.OK)
         else:
-            self.share.read_done(io_ns, bool(self.write_ring.pending()))
+            self.share.read_done(io_ns, self.write_paused or bool(self.write_ring.pending()))
         with self.push_lock:
             # Counted before the completion is pushed, so metrics() never shows
             # fewer pages than the engine has already seen complete. With lanes
@@ -250,6 +300,8 @@ class Worker:
             self.stats[BYTES] += nbytes
             if rec["kind"] == KIND_READ:
                 self.stats[READS_DONE] += 1
+                if self.write_paused:
+                    self.nudge.set()  # after READS_DONE: the gate may see reads done here
             while self.completion.push(out) == 0:
                 # The scheduler has not drained completions yet; it will. Never drop one.
                 if self.parent_gone() or self.control.stopping():

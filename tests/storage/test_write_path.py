@@ -12,8 +12,10 @@ import time
 import numpy as np
 import pytest
 
+from workers import naming
+
 from faultkit import BIG, MID, backup, capture_log, content, fingerprint, make, prefetch, put, \
-    store_files, wrong_pages
+    stop_during_io, store_files, wrong_pages
 from storagekit import cont, drop_cache, stop_workers
 
 
@@ -241,3 +243,83 @@ def test_a_deferred_write_still_goes_when_reads_elsewhere_never_finish(store):
             cont(pids)
         assert e.wait(rop, 30) and e.wait(wop, 30)
         assert rop.status == "ok" and wop.status == "ok"
+
+
+# 4 MiB pages: a buffered write is five pieces (workers.fileio.WRITE_PIECE_BYTES),
+# so a worker caught with under 2 MiB of its temp file written has pieces left.
+HUGE = dict(num_layers=32, num_kv_heads=8, head_dim=128, page_size=32)
+
+
+def _early(path: str) -> bool:
+    if naming.TMP_MARK not in path:
+        return False
+    try:
+        return os.stat(path).st_size < 2 << 20
+    except OSError:
+        return False
+
+
+def _write_caught_early(e, slot: int, at_worker=None):
+    """Back up one page with every worker stopped, and step the one that takes
+    it until it is inside the write with under 2 MiB of the temp file written
+    (left stopped, the others too). Retries with new keys, shorter steps: a
+    write into the page cache can finish within one step. Returns (write op,
+    pids) or skips."""
+    for attempt, step in enumerate((0.0002, 0.0001, 0.00005, 0.00002, 0.00001)):
+        key = f"new-{attempt}"
+        _fill(e, [key], [slot])
+        pids = stop_workers(e)
+        wop = e.backup([key], [slot])
+        if stop_during_io(pids[int(wop.worker_of[0])], _early, timeout_s=5.0, run_s=step):
+            return wop, pids
+        cont(pids)
+        assert e.wait(wop, 30) and wop.status == "ok"
+    cont(pids)
+    pytest.skip("never caught a worker early in its write")
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_write_already_running_when_a_prefetch_comes_pauses_for_its_reads(store, depth):
+    """What SGLang's controller does every time (a backup, then 1 ms later a
+    prefetch): the write started free, with no read anywhere, and the reads
+    arrive while it is half done. With a tiny write_share the reads' time
+    earns it nothing, so it pauses between its pieces and every read lands
+    first; then it finishes, intact. Buffered, at depth 1 (the write lane)
+    and 2 (lanes)."""
+    nreads = 32
+    with make(store, geo=HUGE, pages=2 * nreads + 1, workers=1, io_depth=depth,
+              write_share=1e-6) as e:
+        old = [f"old-{i}" for i in range(nreads)]
+        backup(e, old, range(nreads))
+        wop, pids = _write_caught_early(e, nreads)
+        try:
+            rop = e.prefetch(old, range(nreads + 1, 2 * nreads + 1))  # queued mid-write
+        finally:
+            cont(pids)
+        assert e.wait(wop, 30) and e.wait(rop, 30)
+        assert rop.status == "ok" and wop.status == "ok"
+        assert not wrong_pages(e, rop, _allowed(e))
+        assert rop.landed_seq.max() < wop.landed_seq.min(), (rop.landed_seq, wop.landed_seq)
+        # The paused write's file is whole: read back, it is the page that was written.
+        back = prefetch(e, wop.keys, [nreads + 1])
+        assert back.status == "ok" and not wrong_pages(e, back, _allowed(e))
+
+
+def test_a_paused_write_still_finishes_when_reads_elsewhere_never_do(store):
+    """A write paused for reads at another worker goes on after
+    WRITE_DEFER_MAX_S whatever those reads do: pausing never starves a backup."""
+    with make(store, geo=HUGE, pages=8, workers=2) as e:
+        backup(e, ["old-0", "old-1"], range(2))
+        wop, pids = _write_caught_early(e, 2)
+        b = int(wop.worker_of[0])
+        a = 1 - b
+        try:
+            rop = e.prefetch(["old-0", "old-1"], [3, 4])  # one read at each worker
+            cont([pids[b]])                                # A stays stopped
+            assert e.wait(wop, 10), "the write stayed paused behind A's stuck read"
+            assert wop.status == "ok"
+            assert rop.page_status[_pos_at(rop, a)] == 0  # A really was stuck all along
+        finally:
+            cont(pids)
+        assert e.wait(rop, 30) and rop.status == "ok"
+        assert not wrong_pages(e, rop, _allowed(e))
