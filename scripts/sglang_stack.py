@@ -16,7 +16,11 @@ GIL, like a scheduler building batches) and polls the queues between chunks.
 
 Prints and writes (--json) per backend: round times and GB/s per mode
 (medians of --runs), busy/idle ratios, the busy loop's it/s, the batch_get_v1
-/ batch_set_v1 call counts, and 0 wrong bytes. Owns no engine logic.
+/ batch_set_v1 call counts, and 0 wrong bytes. The read-while-a-backup round
+(a backup of new pages, 1 ms later the prefetch) is given against the idle
+median and against the same prefetch alone just before it, with the engine's
+sleeps and the backup pages written while the prefetch ran. Owns no engine
+logic.
 
     PYTHONPATH=. python3 scripts/sglang_stack.py --round-mib 2048 --page-mib 8 --runs 5 \
         --json $OUT/stack.json
@@ -233,6 +237,13 @@ def _wakeups(s: Stack):
             m.get("wait_wakeups_stale", 0))
 
 
+def _pages_done(s: Stack):
+    """Pages hicache_mp's workers finished so far (reads and writes); None for others."""
+    be = s.ctl.storage_backend
+    eng = getattr(getattr(be, "_backend", be), "engine", None)
+    return None if eng is None else sum(eng.metrics()["worker_pages"])
+
+
 def _count_calls(ctl) -> dict:
     """Counts the backend calls SGLang's threads make (batch_get_v1 etc.)."""
     counts = {"batch_exists": 0, "batch_get_v1": 0, "batch_set_v1": 0, "batch_get": 0,
@@ -310,12 +321,15 @@ def run_backend(sgl, backend, args, root) -> dict:
             rounds = [read_during_write(s, args, r) for r in range(args.runs)]
             out["read_with_write_runs_s"] = [x["read_with_write_s"] for x in rounds]
             out["read_with_write_s"] = median(out["read_with_write_runs_s"])
+            out["read_with_write_over_paired"] = median(
+                [x["read_alone_s"] / x["read_with_write_s"] for x in rounds])
             for k in ("read_with_write_ok", "write_during_read_ok"):
                 out[k] = all(x[k] for x in rounds)
             if all("wakeups" in x for x in rounds):
                 out["read_with_write_wakeups"] = {
                     "posted": median([x["wakeups"][0] for x in rounds]),
                     "timeout_5ms": median([x["wakeups"][1] for x in rounds])}
+                out["written_during_read"] = median([x["written"] for x in rounds])
         out["calls"] = dict(s.calls)
         out["wrong_pages"], out["checked_pages"] = s.wrong_pages, s.checked_pages
     finally:
@@ -324,24 +338,30 @@ def run_backend(sgl, backend, args, root) -> dict:
 
 
 def read_during_write(s: Stack, args, r: int = 0) -> dict:
-    """A prefetch round while a backup of other pages (new ones each round `r`) is in flight."""
+    """A prefetch round while a backup of other pages (new ones each round `r`) is in
+    flight, right after the same prefetch alone (`read_alone_s`: a pair, so the
+    ratio does not move with the box between the idle rounds and these)."""
     import threading
+    alone, _ = s.read(Scheduler(False))
     first = 10**7 + r * s.pages * s.P
     tokens = list(range(first, first + s.pages * s.P))
     hashes = s.sgl.get_storage_hash_str(tokens, None, page_size=s.P)
-    w0 = _wakeups(s)
+    w0, p0 = _wakeups(s), _pages_done(s)
     s.ctl.write_storage(s.extra_src, tokens, hash_value=hashes)
     time.sleep(0.001)
     t, done = s.read(Scheduler(False))
-    w1 = _wakeups(s)
+    w1, p1 = _wakeups(s), _pages_done(s)
     # the backup's ack comes back on the queue the scheduler drains
     op = Scheduler(False).get(s.ctl.ack_backup_queue, time.monotonic() + args.timeout_s)
     del threading
-    out = {"read_with_write_s": t, "read_with_write_ok": done == len(s.tokens),
+    out = {"read_with_write_s": t, "read_alone_s": alone, "read_with_write_ok": done == len(s.tokens),
            "write_during_read_ok": op.completed_tokens == len(tokens)}
     if w0 is not None:
         # the engine's sleeps while the prefetch ran (SGLang's backup thread waits too)
         out["wakeups"] = (w1[0] - w0[0], w1[1] - w0[1])
+        # backup pages written from write_storage to the prefetch's end: what the
+        # reads shared the workers with
+        out["written"] = p1 - p0 - done // s.P
     return out
 
 
@@ -391,6 +411,7 @@ def summary(res: dict) -> dict:
         out[f"{name}_busy_over_idle"] = r["busy_over_idle"]
         if "read_with_write_s" in r:
             out[f"{name}_read_with_write_over_idle"] = r["idle_median_s"] / r["read_with_write_s"]
+            out[f"{name}_read_with_write_over_paired_alone"] = r["read_with_write_over_paired"]
     out["wrong_pages"] = sum(r.get("wrong_pages", 0) for r in b.values()) + \
         res.get("injector", {}).get("wrong_pages", 0)
     return out

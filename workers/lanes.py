@@ -24,7 +24,10 @@ The rules the inline loop keeps still hold:
     the dispatcher may pick the next one;
   - at most one write in flight per worker: a read never waits behind more
     than the writes already running, reads and writes run side by side, and
-    the capacity reservation (one INFLIGHT word per worker) stays exact.
+    the capacity reservation (one INFLIGHT word per worker) stays exact;
+  - a buffered write pauses between its pieces while reads wait and the
+    credit does not cover the next piece (each lane's `gate`,
+    `Worker.write_gate`); O_DIRECT writes go whole.
 A lane that raises ends the whole worker process (as the inline loop
 would): the engine then fails that worker's pages cleanly, rather than one
 record silently never completing.

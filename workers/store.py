@@ -19,7 +19,9 @@ The calls, all synchronous and safe from several threads of one process:
     roots                                             directories the store lives in
 
 `bufs` carries the per-thread scratch the file format needs (`header`,
-`overflow`, `write_header`: workers.lanes.Lane). An asynchronous store
+`overflow`, `write_header`: workers.lanes.Lane), and `gate`: None, or a
+callable a store may call between pieces of a buffered write, where the
+worker may pause it while reads wait (a store that writes whole ignores it). An asynchronous store
 (io_uring) would add a submit/reap pair beside read/write; the worker's
 `serve` is already split into a start and a completion half for it.
 

@@ -16,7 +16,11 @@ Two submit rings per worker: `read_ring` (prefetch) and `write_ring`
 backup is not. Writes are taken one at a time, on a thread of their own (at
 io_depth 1 the write lane, workers.lanes.WriteLane; deeper, one of the
 lanes): a page write can take the time of twenty page-cache reads, and a
-read that arrives while it is in flight is served at once, beside it. Reads come first across the engine too: a
+read that arrives while it is in flight is served at once, beside it. A
+buffered write also pauses between its 1 MiB pieces while reads wait and
+its credit does not cover the next piece (`write_gate`): a write into the
+page cache is a copy on a core, so one that started just before a prefetch
+came would otherwise take that core from the reads until it ended. Reads come first across the engine too: a
 worker with no read of its own treats a write as taken from reads while any
 worker still has reads outstanding (workers.control), because on one device
 every byte written is bandwidth a read does not get (figures:
