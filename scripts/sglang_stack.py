@@ -265,7 +265,10 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
-def run_backend(sgl, backend, args, root) -> dict:
+def run_backend(sgl, backend, args, root, floor: "Stack | None" = None) -> dict:
+    """One backend's rounds. `floor`: a no-bytes stack whose busy round runs
+    right after each of this backend's, so the floor is measured in the same
+    minutes (the box's speed drifts between runs of a few seconds)."""
     store = os.path.join(root, backend)
     os.makedirs(store, exist_ok=True)
     s = Stack(sgl, backend, args, store)
@@ -298,6 +301,8 @@ def run_backend(sgl, backend, args, root) -> dict:
                 if mode == "busy":
                     rates.append(sched.rate())
                     handoffs.append((sched.handoffs, sched.handoff_s))
+                    if floor is not None:
+                        out.setdefault("floor_busy_s", []).append(floor.read(Scheduler(True))[0])
                 elif mode == "busy_switch":
                     out.setdefault("loop_rate_switch", []).append(sched.rate())
         for mode, ts in modes.items():
@@ -398,8 +403,13 @@ def summary(res: dict) -> dict:
     out = {}
     if "mp" in b and "nobytes" in b:
         mp, nb = b["mp"], b["nobytes"]
-        out["mp_busy_minus_floor_over_idle"] = (mp["busy_median_s"] - nb["busy_median_s"]) / mp["idle_median_s"]
-        out["nobytes_busy_s"] = nb["busy_median_s"]
+        floor_s = median(mp["floor_busy_s"]) if mp.get("floor_busy_s") else nb["busy_median_s"]
+        out["mp_busy_minus_floor_over_idle"] = (mp["busy_median_s"] - floor_s) / mp["idle_median_s"]
+        out["nobytes_busy_s"] = floor_s
+        if mp.get("floor_busy_s"):
+            # per run: that run's idle, busy and floor rounds, taken minutes apart at most
+            out["mp_busy_minus_floor_over_idle_per_run"] = median(
+                [(b_ - f) / i for i, b_, f in zip(mp["idle_s"], mp["busy_s"], mp["floor_busy_s"])])
         # the GIL hand-offs the backend adds to a round beyond SGLang's own
         out["mp_handoffs_over_floor"] = mp["handoffs_per_round"] - nb["handoffs_per_round"]
         out["nobytes_handoffs_per_round"] = nb["handoffs_per_round"]
@@ -466,11 +476,20 @@ def main(argv=None) -> dict:
     res = {"device": "cuda" if torch.cuda.is_available() else "cpu", "args": vars(args),
            "loop_rate_alone": loop_rate_alone(), "backends": [],
            "torchvision_placeholder": R.TORCHVISION_PLACEHOLDER}
+    backends = [b.strip() for b in args.backends.split(",")]
     with tempfile.TemporaryDirectory(dir=args.store, prefix="hicache_mp-stack-") as root:
-        for backend in args.backends.split(","):
-            r = run_backend(sgl, backend.strip(), args, root)
-            res["backends"].append(r)
-            print(json.dumps({k: v for k, v in r.items() if not k.endswith("_s")}), flush=True)
+        floor = None
+        if "nobytes" in backends and "mp" in backends:
+            os.makedirs(os.path.join(root, "floor"), exist_ok=True)
+            floor = Stack(sgl, "nobytes", args, os.path.join(root, "floor"))
+        try:
+            for backend in backends:
+                r = run_backend(sgl, backend, args, root, floor if backend == "mp" else None)
+                res["backends"].append(r)
+                print(json.dumps({k: v for k, v in r.items() if not k.endswith("_s")}), flush=True)
+        finally:
+            if floor is not None:
+                floor.close()
         if args.inject_rounds:
             res["injector"] = injector_run(sgl, args, root)
             print(json.dumps({"injector": res["injector"]}), flush=True)
