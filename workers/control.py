@@ -7,7 +7,9 @@ Must not carry page records (rings do).
 
 Every field is an aligned uint64, written by exactly one side:
 
-    STOP, WAITERS, MAX_BYTES, MIN_FREE, WAKE_AT   engine
+    STOP, WAITERS, MAX_BYTES, MIN_FREE, WAKE_AT,  engine
+    WAKE_SEQ
+    POSTED_NS, POSTED_SEQ                         the worker that posts a wake-up
     STORE_BASE, WRITTEN_AT_SCAN, EVICTOR_PID      evictor
     per worker: READY_PID, BUSY_NS, PAGES, BYTES, WRITTEN, INFLIGHT,
                 INFLIGHT_KEY, READS_DONE                            that worker
@@ -52,6 +54,14 @@ worker counts a page before it pushes its completion, so the sum reaches it
 no later than the op's last push). A worker posts the completion semaphore
 only once the sum reaches it, so a batch wakes its waiter about once instead
 of once per page; 0 means post after every completion (several waiters).
+Each target is posted once: the engine numbers its targeted sleeps
+(WAKE_SEQ), and the worker that posts first marks that number (POSTED_SEQ),
+so the workers completing pages after it, while the waiter is still taking
+the GIL back (WAITERS is still set), post nothing more: a post left over
+would end the waiter's next sleep at once, for a GIL hand-back. A late mark
+carries an old number, so it never silences a newer sleep. The poster
+stores the monotonic clock in POSTED_NS first, so the waiter can tell how
+long it took to run again (hicache_mp.gillead).
 
 Heartbeat: a lane stores the monotonic clock (system-wide, so the engine can
 compare it with its own) when it starts a page I/O and 0 when it ends. The
@@ -76,8 +86,9 @@ SLOW_IO_S = 0.5  # a page I/O older than this no longer holds back other workers
 CANCEL_SLOTS = 4096
 PIN_SLOTS = 1 << 16
 _WORKER_FIELDS = 9
-STOP, WAITERS, STORE_BASE, WRITTEN_AT_SCAN, MAX_BYTES, MIN_FREE, EVICTOR_PID, WAKE_AT = range(8)
-_WORKERS_AT = 8
+STOP, WAITERS, STORE_BASE, WRITTEN_AT_SCAN, MAX_BYTES, MIN_FREE, EVICTOR_PID, WAKE_AT, \
+    POSTED_NS, WAKE_SEQ, POSTED_SEQ = range(11)
+_WORKERS_AT = 11
 _CANCEL_AT = _WORKERS_AT + MAX_WORKERS * _WORKER_FIELDS
 _PINS_AT = _CANCEL_AT + CANCEL_SLOTS
 _HEARTBEAT_AT = _PINS_AT + PIN_SLOTS

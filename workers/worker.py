@@ -79,7 +79,8 @@ from workers.share import WriteShare
 from workers.spec import WorkerSpec
 from workers.store import StoreIO, open_store
 from workers.control import BUSY_NS, BYTES, INFLIGHT, INFLIGHT_KEY, MAX_BYTES, MIN_FREE, PAGES, \
-    READS_DONE, READS_SUBMITTED, READY_PID, WAITERS, WAKE_AT, WRITTEN, Control, write_key
+    POSTED_NS, POSTED_SEQ, READS_DONE, READS_SUBMITTED, READY_PID, WAITERS, WAKE_AT, \
+    WAKE_SEQ, WRITTEN, Control, write_key
 from workers.fileio import WRITE_PIECE_BYTES
 
 # A write deferred for reads at other workers goes after this long anyway: the
@@ -311,21 +312,29 @@ class Worker:
                 if self.parent_gone() or self.control.stopping():
                     return
                 time.sleep(0.0005)
-        if self.control.words[WAITERS] and self._wake_due():
-            self.done.post()
+        if self.control.words[WAITERS]:
+            self._maybe_wake()
 
-    def _wake_due(self) -> bool:
-        """Post now? Always when no single waiter set a target (control: WAKE_AT).
-        With a target, once it is reached, and not if a post is already
-        pending: workers finishing a batch's last pages together each see the
-        target reached, and a second post would end the waiter's next sleep
-        at once for nothing (each sleep costs it a GIL hand-back under a busy
-        scheduler). The pending post is consumed after this completion was
-        pushed, and the waiter drains after waking, so it sees this one."""
-        at = int(self.control.words[WAKE_AT])
-        if not at:
-            return True
-        return int(self.control.workers[:, PAGES].sum()) >= at and not self.done.pending()
+    def _maybe_wake(self) -> None:
+        """Post the waiter's semaphore: always when no single waiter set a
+        target (control: WAKE_AT); with one, once it is reached, once per
+        target (WAKE_SEQ / POSTED_SEQ), and not while a post is pending:
+        workers finishing a batch's last pages together each see the target
+        reached, and a second post would end the waiter's next sleep at once
+        for nothing (each sleep costs it a GIL hand-back under a busy
+        scheduler). A skipped post is safe: the one pending or sent is
+        consumed after this completion was pushed, and the waiter drains
+        after waking, so it sees this one."""
+        words = self.control.words
+        at = int(words[WAKE_AT])
+        if at:
+            seq = int(words[WAKE_SEQ])
+            if int(words[POSTED_SEQ]) == seq or self.done.pending() or \
+                    int(self.control.workers[:, PAGES].sum()) < at:
+                return
+            words[POSTED_SEQ] = seq
+        words[POSTED_NS] = time.monotonic_ns()
+        self.done.post()
 
     def _probe(self, digest: bytes) -> int:
         """Is this key's page in the store? One lookup (a read still checks the
