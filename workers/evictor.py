@@ -121,10 +121,10 @@ class Evictor:
     # --- one pass -----------------------------------------------------------
     def one_pass(self) -> int:
         parts = self.store.parts()
-        scans, held, in_flight = self._measure(parts)
+        scans, used = self._measure(parts)
         removed = 0
         for i, part in enumerate(parts):
-            if self._need(part, held[i], in_flight, len(parts)) <= 0:
+            if self._need(part, used[i], len(parts)) <= 0:
                 continue
             # The store may be shared: one evictor at a time per directory, on a
             # fresh measure (workers.evictlease). Without the lease another one is at it.
@@ -132,17 +132,17 @@ class Evictor:
             if lease is None:
                 continue
             try:
-                scans, held, in_flight = self._measure(parts)
-                removed += self._evict(part, scans[i].pages,
-                                       self._need(part, held[i], in_flight, len(parts)), lease)
+                scans, used = self._measure(parts)
+                removed += self._evict(part, scans[i].pages, self._need(part, used[i], len(parts)),
+                                       lease)
             finally:
                 lease.release()
         return removed
 
-    def _measure(self, parts: list) -> tuple[list, list, int]:
+    def _measure(self, parts: list) -> tuple[list, list]:
         """Scan every part (every node's files) and publish the store's size to
-        the workers; ([Scan] per part, bytes per part less this engine's writes
-        in flight, bytes reserved by those writes), each write counted once."""
+        the workers; ([Scan] per part, bytes each part holds with this engine's
+        writes in flight, each counted once)."""
         words = self.control.words
         # WRITTEN first, then the writes in flight: a write reserved between the
         # two loads is then counted twice (safe), never missed. A write in flight
@@ -151,19 +151,18 @@ class Evictor:
         written_before = int(self.control.workers[:, WRITTEN].sum())
         writes = inflight.before(self.control)
         scans = [part.scan() for part in parts]
-        held, in_flight = inflight.count_once(self.control, scans, writes)
+        held, reserved, in_flight = inflight.count_once(self.control, scans, writes)
         # Anything written while we scanned may be counted twice: an over-estimate.
         words[STORE_BASE] = sum(held) + in_flight
         words[WRITTEN_AT_SCAN] = written_before
-        return scans, held, in_flight
+        return scans, [h + r for h, r in zip(held, reserved)]
 
-    def _need(self, part, held: int, in_flight: int, nparts: int) -> int:
-        """Bytes to remove from one part so it is back inside its share of the
-        limits, with hysteresis. Placement by digest fills the parts evenly."""
+    def _need(self, part, used: int, nparts: int) -> int:
+        """Bytes to remove from one part (holding `used`) so it is back inside
+        its share of the limits, with hysteresis."""
         words = self.control.words
         max_bytes, min_free = int(words[MAX_BYTES]), int(words[MIN_FREE])
         share, headroom = max_bytes // nparts, max(self.headroom // nparts, 1)
-        used = held + in_flight // nparts
         need = 0
         if max_bytes and used > share - headroom:
             need = used - (share - 2 * headroom)

@@ -59,25 +59,46 @@ def before(control: Control) -> list[Write]:
                   int(nbytes[r])) for r in np.flatnonzero(nbytes)]
 
 
-def count_once(control: Control, scans: list, writes: list[Write]) -> tuple[list[int], int]:
-    """(bytes per scanned part, bytes of writes in flight to add) after the
-    scans, with each write of `writes` counted once (the module's rule)."""
+def count_once(control: Control, scans: list, writes: list[Write]) -> tuple[list, list, int]:
+    """After the scans, with each write of `writes` counted once (the module's
+    rule): (bytes the scan met per part, less those writes' temp files;
+    bytes reserved per part; bytes reserved in all). A write whose temp file
+    was met is reserved on that part; one whose part is unknown is shared
+    evenly (placement by digest fills the parts evenly)."""
     totals = [one.total_bytes for one in scans]
     known = {(w.pid, w.key): w for w in writes if w.key is not None}
+    part_of = {}  # row -> part whose scan met that write's temp file
+    if known:
+        own = tmpfiles.owner()
+        for i, one in enumerate(scans):
+            for name, size in one.temps:
+                writer = tmpfiles.parse(name)
+                if writer is None or writer[1] != own:
+                    continue
+                digest = naming.digest_from_name(name[:name.find(naming.TMP_MARK)])
+                w = None if digest is None else known.get((writer[0], write_key(digest)))
+                if w is not None and w.row not in part_of:
+                    part_of[w.row] = i
+                    totals[i] -= size
+    ended, met = _ended_and_met(control, scans, known)
+    reserved, shared = [0] * len(scans), 0
+    for w in writes:
+        if w.row in ended and w.key in met:
+            continue  # counted once: as the page the scan met
+        if w.row in part_of:
+            reserved[part_of[w.row]] += w.nbytes
+        else:
+            shared += w.nbytes
+    reserved = [r + shared // len(scans) for r in reserved] if scans else reserved
+    return totals, reserved, sum(w.nbytes for w in writes
+                                 if not (w.row in ended and w.key in met))
+
+
+def _ended_and_met(control: Control, scans: list, known: dict) -> tuple[set, set]:
+    """(rows whose write seen before the scan has ended now, keys of those
+    writes whose page the scan met)."""
     if not known:
-        return totals, sum(w.nbytes for w in writes)
-    own = tmpfiles.owner()
-    temp_seen = set()
-    for i, one in enumerate(scans):
-        for name, size in one.temps:
-            writer = tmpfiles.parse(name)
-            if writer is None or writer[1] != own:
-                continue
-            digest = naming.digest_from_name(name[:name.find(naming.TMP_MARK)])
-            w = None if digest is None else known.get((writer[0], write_key(digest)))
-            if w is not None and w.row not in temp_seen:
-                temp_seen.add(w.row)
-                totals[i] -= size
+        return set(), set()
     ws = control.workers
     nbytes_now = ws[:, INFLIGHT].copy()
     key_now = ws[:, INFLIGHT_KEY].copy()
@@ -91,5 +112,4 @@ def count_once(control: Control, scans: list, writes: list[Write]) -> tuple[list
                 key = write_key(page.digest)
                 if key in keys:
                     met.add(key)
-    in_flight = sum(w.nbytes for w in writes if not (w.row in ended and w.key in met))
-    return totals, in_flight
+    return set(ended), met
