@@ -180,44 +180,72 @@ def _hold_with_temp_written(pid, file_bytes):
     return stop_during_io(pid, written, timeout_s=5.0)
 
 
-def _listing_fanout_under_lease(store):
-    """The evictor's state wanted: holding the eviction lease, listing the
-    store's fan-out directories (root or a top level open), no page file
-    directory visited yet."""
+def _listing_first_part_under_lease(dirs, leased):
+    """The evictor's state wanted: holding the eviction lease of directory
+    `leased`, listing the fan-out directories of the first part (its root or
+    a top level open): no page file directory of any part visited yet."""
+    first = dirs[0]
+
     def wanted(path):
-        if not os.path.exists(os.path.join(store, LEASE_NAME)):
+        if not os.path.exists(os.path.join(leased, LEASE_NAME)):
             return False
-        rel = os.path.relpath(path, store)
+        rel = os.path.relpath(path, first)
         return rel == "." or (len(rel) == 2 and os.path.isdir(path))
     return wanted
 
 
+def _part(dirs, path):
+    return next(i for i, d in enumerate(dirs) if path.startswith(d + os.sep))
+
+
+def _pages_per_part(dirs):
+    return [len(store_files(d)[0]) for d in dirs]
+
+
 @pytest.mark.parametrize("met", ["temp file", "renamed page"])
-def test_a_pass_counts_a_write_in_flight_once(store, met):
-    """Engine E (one worker, limit L pages) has one page write in flight; the
-    store holds P pages another engine wrote, P + 1 past E's trigger. E's
-    pass must count that write once, as its reservation or as the file its
-    scan meets, and leave exactly the hysteresis target once the write lands.
-    `temp file`: the worker is held with its temp file written for the whole
-    pass. `renamed page`: the evictor is held after its pre-scan snapshot,
-    under the lease, and the write finishes (renamed, INFLIGHT cleared)
-    before its scan reaches any page directory."""
-    limit = 24
+@pytest.mark.parametrize("ndirs", [1, 2])
+def test_a_pass_counts_a_write_in_flight_once(tmp_path, ndirs, met):
+    """Engine E (one worker, a limit of 24 pages per directory) has one page
+    write in flight; every directory holds as many pages (another engine's)
+    as E's trigger allows, so the write's directory is one page past it.
+    E's pass must count that write once, as its reservation or as the file
+    its scan meets: the write's directory is left at the hysteresis target
+    once the write lands, and (striped) the other directory, which no write
+    of E's goes to, is not touched. `temp file`: the worker is held with its
+    temp file written for the whole pass. `renamed page`: the evictor is held
+    after its pre-scan snapshot, under the lease, and the write finishes
+    (renamed, INFLIGHT cleared) before its scan reaches any page directory."""
+    dirs = [str(tmp_path / f"drive{i}" / "kv") for i in range(ndirs)]
+    spec = ",".join(dirs)
     file_bytes = 4096 + PageGeometry(**BIG).page_bytes
-    h = headroom_bytes(limit * file_bytes, 0, file_bytes) // file_bytes
-    target = limit - 2 * h
+    share = 24  # page files per directory
+    part_headroom = max(headroom_bytes(share * ndirs * file_bytes, 0, file_bytes) // ndirs, 1)
+    trigger = share - part_headroom // file_bytes           # a part evicts above this
+    target = share - 2 * part_headroom // file_bytes        # ...down to this
     # Empty fan-out directories (a scan lists any two-character name): a longer
     # listing phase, where the evictor is held.
     chars = "0123456789abcdefghijklmnopqrstuvwxyz"
-    for top in (a + b for a in chars for b in chars):
-        os.makedirs(os.path.join(store, top, "00"), mode=0o700)
+    for d in dirs:
+        for top in (a + b for a in chars for b in chars):
+            os.makedirs(os.path.join(d, top, "00"), mode=0o700)
     # fsync: a write spends milliseconds between its last byte and its rename.
-    cfg = dict(geo=BIG, pages=4, workers=1, storage_max_bytes=limit * file_bytes,
+    cfg = dict(geo=BIG, pages=4, workers=1, storage_max_bytes=share * ndirs * file_bytes,
                eviction_interval_s=3600.0, fsync="data")  # passes only when the test asks
-    with make(store, **cfg) as e:
+    with make(spec, **cfg) as e:
         pb = e.geometry.page_bytes
-        with make(store, geo=BIG, pages=limit - h, workers=1) as other:   # no limit
-            backup(other, [f"p{i}" for i in range(limit - h)], range(limit - h))
+        with make(spec, geo=BIG, pages=8, workers=1) as other:   # no limit
+            keys = iter(f"p{i}" for i in range(10 ** 6))
+            want = [trigger] * ndirs
+            while any(want):
+                batch = []
+                while len(batch) < 8 and any(want):
+                    k = next(keys)
+                    p = _part(dirs, page_file(other, k))
+                    if want[p]:
+                        want[p] -= 1
+                        batch.append(k)
+                backup(other, batch, range(len(batch)))
+        assert _pages_per_part(dirs) == [trigger] * ndirs
         worker = e._pool.workers[0].pid
         os.kill(worker, signal.SIGSTOP)
         tmp = None
@@ -232,31 +260,33 @@ def test_a_pass_counts_a_write_in_flight_once(store, met):
             assert e.wait(op, 30) and op.status == "ok"
             os.kill(worker, signal.SIGSTOP)
         assert tmp, "never held the worker with its temp file written"
-        before = len(store_files(store)[0])
-        assert before + 1 > limit - h  # the pass must evict
+        held = _part(dirs, tmp)
+        before = [n + (p == held) for p, n in enumerate(_pages_per_part(dirs))]
+        expect = [target if n > trigger else n for n in before]
+        assert expect[held] == target  # the pass must evict there
         evictor = e._evictor.proc.pid
         try:
             if met == "temp file":
                 e._evictor.wake.post()
-                assert _evicted(e, before + 1 - target)
+                assert _evicted(e, sum(before) - sum(expect))
                 _evictor_idle(e)
             else:
                 os.kill(evictor, signal.SIGSTOP)
                 e._evictor.wake.post()
-                assert stop_during_io(evictor, _listing_fanout_under_lease(store)), \
+                assert stop_during_io(evictor, _listing_first_part_under_lease(dirs, dirs[held])), \
                     "never held the evictor listing the store under its lease"
                 os.kill(worker, signal.SIGCONT)
                 assert e.wait(op, 30) and op.status == "ok"
                 assert os.path.exists(page_file(e, key)) and not os.path.exists(tmp)
                 os.kill(evictor, signal.SIGCONT)
-                assert _evicted(e, before + 1 - target)
+                assert _evicted(e, sum(before) - sum(expect))
                 _evictor_idle(e)
         finally:
             os.kill(evictor, signal.SIGCONT)
             os.kill(worker, signal.SIGCONT)
         assert e.wait(op, 30) and op.status == "ok"
-        pages = len(store_files(store)[0])
-        assert pages == target, (f"{pages} pages left, target {target} "
-                                 f"(evicted {e.metrics()['evicted_pages']} of {before + 1})")
-        assert e.metrics()["evicted_pages"] == before + 1 - target
+        pages = _pages_per_part(dirs)
+        assert pages == expect, (f"pages per directory {pages}, expected {expect} (target "
+                                 f"{target}, evicted {e.metrics()['evicted_pages']})")
+        assert e.metrics()["evicted_pages"] == sum(before) - sum(expect)
         assert os.path.exists(page_file(e, key))  # the newest page stays
