@@ -39,7 +39,7 @@ Counting a write once (workers.inflight has the rule and why it never
 under-counts): a write of this engine in flight when the pass starts is in
 the INFLIGHT snapshot, and the scan may also meet its temp file, or, as a
 scan of a big or remote store takes far longer than one write, the page it
-has renamed into place since. Counted both ways, the pass removed a page
+has renamed into place since. Counted both ways, a pass would remove a page
 more than needed per write in flight. So the write's own temp file (told by
 this host's owner field, the worker's pid and the page's key in its name) is
 left out, and its reservation is left out when the write had ended by the
