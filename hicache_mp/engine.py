@@ -67,7 +67,6 @@ from workers.spec import WorkerSpec
 from .config import EngineConfig
 from .core import EngineCore, check_timeout, log
 from .discovery import PROBE_MAX
-from .gillead import GilLead
 from .nodeshare import NodeShare
 from .ops import READ, Op
 
@@ -122,8 +121,9 @@ class PrefetchEngine(EngineCore):
         self._stuck_workers = 0
         # Sleeps ended by a worker's post, by the cap; and posted wakes that found
         # their target not reached (a post left over from an earlier wait).
-        self._wakeups = [0, 0, 0]
-        self._gil = GilLead()
+        # ... and leftover posts taken before a sleep (never slept on).
+        self._wakeups = [0, 0, 0, 0]
+        self._gil_delay_s = 0.0  # EWMA: a worker's post -> the waiter runs again
         self._stalled_pages = 0
         if pool_fd is not None and pool_parts is not None:
             raise ValueError("give pool_fd or pool_parts, not both")
@@ -550,20 +550,19 @@ class PrefetchEngine(EngineCore):
             # (control: WAKE_AT); any other case: after every completion. Set
             # before the announcement, so no worker sees a waiter without it.
             target = op is not None and not words[WAITERS] and not op.done
-            # Under GIL contention, woken a little before the op's end
-            # (hicache_mp.gillead): taking the GIL back overlaps its last pages.
-            # Once per op: woken early and not done within the spin, it sleeps
-            # to its end (each early wake costs a wake-up of its own).
-            lead = self._gil.lead_pages(op._remaining) if target and not op._woken_early else 0
-            at = self._worker_pages + op._remaining - lead if target else 0
+            at = self._worker_pages + op._remaining if target else 0
             if at:
+                # Nobody waits now, so a post still pending is left over from a
+                # wait that ended without sleeping (its last page drained just
+                # before the worker posted): taken here with the GIL held, it
+                # cannot end this sleep at once for a GIL hand-back.
+                self._wakeups[3] += self.done_sem.take_pending()
                 words[WAKE_SEQ] += 1  # before the target: a post for an old one never counts
             words[WAKE_AT] = at
             words[WAITERS] += 1
             # Re-check after announcing ourselves: a completion pushed before the
             # announcement posted nothing. The cap covers the remaining race.
             drained = self._drain()
-            start_ns, start_pages = time.monotonic_ns(), self._worker_pages
         posted = False
         try:
             if not drained:
@@ -576,34 +575,14 @@ class PrefetchEngine(EngineCore):
                 if not drained:
                     self._wakeups[0 if posted else 1] += 1
                     if posted and at:
-                        now_ns, posted_ns = time.monotonic_ns(), int(words[POSTED_NS])
-                        done = int(self._control.workers[:, PAGES].sum())
-                        if done < at:
+                        if int(self._control.workers[:, PAGES].sum()) < at:
                             self._wakeups[2] += 1
-                        else:
-                            self._gil.woke(posted_ns, now_ns, at - start_pages,
-                                           posted_ns - start_ns)
+                        else:  # from the worker's post to running again: the GIL's price
+                            delay = (time.monotonic_ns() - int(words[POSTED_NS])) / 1e9
+                            self._gil_delay_s += 0.25 * (delay - self._gil_delay_s)
                 words[WAITERS] -= 1
                 if not words[WAITERS]:
                     words[WAKE_AT] = 0
-        if posted and lead:
-            op._woken_early = True
-            self._spin_tail(op)
-
-    def _spin_tail(self, op) -> None:
-        """Woken early: poll the op's last pages with the GIL held, for less
-        than the switch interval (else a waiting thread would force a
-        switch); not done by then, the caller sleeps again."""
-        deadline = time.monotonic() + self._gil.spin_s()
-        while not op.done and not self._released:
-            with self._lock:
-                self._drain()
-            if op.done:
-                break
-            if time.monotonic() >= deadline:
-                self._gil.spun_out += 1
-                return
-        self._gil.early += 1
 
     def _shutdown_io(self) -> None:
         self._control.words[STOP] = 1  # the evictor watches it too
@@ -642,8 +621,8 @@ class PrefetchEngine(EngineCore):
             "worker_pages": [int(s[PAGES]) for s in stats],
             "wait_wakeups_posted": self._wakeups[0], "wait_wakeups_timeout": self._wakeups[1],
             "wait_wakeups_stale": self._wakeups[2],
-            "wait_early_wakes": self._gil.early, "wait_early_spun_out": self._gil.spun_out,
-            "wait_gil_delay_ms": round(self._gil.delay_s * 1e3, 3),
+            "wait_leftover_posts_taken": self._wakeups[3],
+            "wait_gil_delay_ms": round(self._gil_delay_s * 1e3, 3),
             "worker_bytes": [int(s[BYTES]) for s in stats],
             "ring_depth": [0 if h.rings_closed else h.submit.depth() + h.write.depth()
                            for h in self._pool.workers] if self._pool else [],

@@ -19,8 +19,7 @@ class Op:
     __slots__ = ("id", "kind", "keys", "host_pages", "digests", "num_pages", "page_status",
                  "worker_of", "policy", "deadline", "_lead", "_remaining", "_cancelled",
                  "_frozen_lead", "submit_ns", "done_ns", "first_ns", "io_ns", "ok_pages",
-                 "page_bytes", "landed_ns", "device_event", "pin_slots", "landed_seq",
-                 "_woken_early")
+                 "page_bytes", "landed_ns", "device_event", "pin_slots", "landed_seq")
 
     def __init__(self, op_id: int, kind: str, keys, host_pages: np.ndarray, digests: list,
                  page_bytes: int, policy: str, timeout_s: float):
@@ -39,7 +38,6 @@ class Op:
         self._lead = 0
         self._remaining = self.num_pages
         self._cancelled = False
-        self._woken_early = False  # its waiter was woken before its end once (gillead)
         self._frozen_lead = 0
         self.done_ns = self.submit_ns if self.num_pages == 0 else 0
         self.first_ns = 0

@@ -227,8 +227,8 @@ class Stack:
 
 
 def _wakeups(s: Stack):
-    """(posted, timed out, stale, early) sleeps of hicache_mp's engine so far
-    (early: woken before the op's end, hicache_mp.gillead); None for others."""
+    """(posted, timed out, stale, leftover) sleeps of hicache_mp's engine so
+    far (leftover: posts taken before a sleep, never slept on); None for others."""
     be = s.ctl.storage_backend
     eng = getattr(getattr(be, "_backend", be), "engine", None)
     if eng is None:
@@ -236,7 +236,7 @@ def _wakeups(s: Stack):
     m = eng.metrics()
     return (m.get("wait_wakeups_posted", 0), m.get("wait_wakeups_timeout", 0),
             m.get("wait_wakeups_stale", 0),
-            m.get("wait_early_wakes", 0) + m.get("wait_early_spun_out", 0))
+            m.get("wait_leftover_posts_taken", 0))
 
 
 def _pages_done(s: Stack):
@@ -317,7 +317,7 @@ def run_backend(sgl, backend, args, root, floor: "Stack | None" = None) -> dict:
             out["wakeups_per_batch_get"] = {"posted": (w1[0] - w0[0]) / calls,
                                             "timeout_5ms": (w1[1] - w0[1]) / calls,
                                             "stale": (w1[2] - w0[2]) / calls,
-                                            "early": (w1[3] - w0[3]) / calls}
+                                            "leftover_taken": (w1[3] - w0[3]) / calls}
         out["busy_over_idle"] = out["busy_median_s"] and out["idle_median_s"] / out["busy_median_s"]
         out["loop_rate_busy"] = median(rates)
         out["handoffs_per_round"] = median([h for h, _ in handoffs])

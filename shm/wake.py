@@ -8,15 +8,37 @@ with a Python signal handler, as servers have) resumes it within the same
 deadline: a wait ends only on a post or on its timeout. Must not carry data:
 the rings do that.
 """
+import ctypes
+import ctypes.util
 import time
 
 import posix_ipc
+
+# libc called with the GIL held (PyDLL): sem_trywait never blocks, and a
+# posix_ipc acquire gives the GIL up even for that (module docstring).
+_LIBC = None
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        lib = ctypes.PyDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        lib.sem_open.restype = ctypes.c_void_p
+        lib.sem_open.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        lib.sem_trywait.argtypes = [ctypes.c_void_p]
+        lib.sem_close.argtypes = [ctypes.c_void_p]
+        _LIBC = lib
+    return _LIBC
+
+
+_SEM_FAILED = ctypes.c_void_p(-1).value
 
 
 class WakeSemaphore:
     def __init__(self, name: str, *, create: bool, mode: int = 0o600):
         self.name = name
         self.owner = create
+        self._raw = None  # libc handle for take_pending, opened on first use
         if create:
             self._sem = posix_ipc.Semaphore("/" + name, posix_ipc.O_CREX, mode=mode, initial_value=0)
         else:
@@ -24,6 +46,19 @@ class WakeSemaphore:
 
     def post(self) -> None:
         self._sem.release()
+
+    def take_pending(self) -> int:
+        """Consume every post pending now without giving the GIL up (libc's
+        sem_trywait on this process's own handle of the named semaphore);
+        how many. 0 where the platform cannot (then nothing is consumed)."""
+        if self._raw is None:
+            lib = _libc()
+            raw = lib.sem_open(("/" + self.name).encode(), 0)
+            self._raw = raw if raw not in (None, _SEM_FAILED) else 0
+        n = 0
+        while self._raw and _libc().sem_trywait(self._raw) == 0:
+            n += 1
+        return n
 
     def pending(self) -> int | None:
         """Posts not yet consumed (sem_getvalue; the GIL is kept), or None where
@@ -56,6 +91,9 @@ class WakeSemaphore:
                 continue
 
     def close(self) -> None:
+        if self._raw:
+            _libc().sem_close(self._raw)
+        self._raw = None
         if self.owner:
             try:
                 self._sem.unlink()

@@ -66,3 +66,55 @@ def test_pages_the_engine_settles_itself_do_not_push_the_target_out_of_reach(sto
         assert eng.wait(dropped, 60)
         assert expired - expired0 <= 1, f"{expired - expired0} sleeps ran to their cap"
         assert torch.equal(read_back(eng, range(n)).view(torch.int16), data.view(torch.int16))
+
+
+def test_take_pending_consumes_posts_without_blocking(store):
+    from shm.wake import WakeSemaphore
+    name = f"hicache_mp-test-wake-{os.getpid()}"
+    sem = WakeSemaphore(name, create=True)
+    try:
+        for _ in range(3):
+            sem.post()
+        assert sem.pending() == 3
+        assert sem.take_pending() == 3
+        assert sem.pending() == 0 and sem.take_pending() == 0
+        assert not sem.wait(0.01)  # nothing left to end a sleep
+        sem.post()
+        assert sem.wait(0.01)
+    finally:
+        sem.close()
+
+
+def test_a_post_left_over_from_an_earlier_wait_does_not_end_the_next_sleep(store):
+    """A wait that finds its last page already drained never sleeps, yet the
+    worker that pushed that page may post a moment later: that post must not
+    end the next wait's sleep at once (each sleep costs a GIL hand-back under
+    a busy scheduler). The leftover is stood for by a post of the engine's own
+    done semaphore while nobody waits."""
+    import signal
+    n = 32
+    keys = [os.urandom(32).hex() for _ in range(n)]
+    with engine(store, pages=n, workers=2) as eng:
+        data = random_pages(eng.geometry, n, seed=4)
+        fill(eng, range(n), data)
+        op = eng.backup(keys, list(range(n)))
+        assert eng.wait(op, 60) and op.status == "ok"
+        pids = eng.worker_pids()
+        for pid in pids:   # the next op cannot finish before its waiter sleeps
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            eng.done_sem.post()   # the leftover
+            m0 = eng.metrics()
+            op = eng.prefetch(keys, list(range(n)))
+            timer = __import__("threading").Timer(0.2, lambda: [os.kill(p, signal.SIGCONT)
+                                                                for p in pids])
+            timer.start()
+            assert eng.wait(op, 60) and op.status == "ok" and op.completed_pages == n
+            timer.join()
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        m1 = eng.metrics()
+        assert m1["wait_wakeups_stale"] == m0["wait_wakeups_stale"], (m0, m1)
+        assert m1["wait_leftover_posts_taken"] - m0["wait_leftover_posts_taken"] == 1
+        assert torch.equal(read_back(eng, range(n)).view(torch.int16), data.view(torch.int16))

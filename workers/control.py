@@ -61,7 +61,7 @@ the GIL back (WAITERS is still set), post nothing more: a post left over
 would end the waiter's next sleep at once, for a GIL hand-back. A late mark
 carries an old number, so it never silences a newer sleep. The poster
 stores the monotonic clock in POSTED_NS first, so the waiter can tell how
-long it took to run again (hicache_mp.gillead).
+long it took to run again (the `wait_gil_delay_ms` metric).
 
 Heartbeat: a lane stores the monotonic clock (system-wide, so the engine can
 compare it with its own) when it starts a page I/O and 0 when it ends. The

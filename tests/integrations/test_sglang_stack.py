@@ -69,8 +69,9 @@ def test_tp_ranks_share_the_node_budget(tmp_path, monkeypatch):
     ctl = sglang_real.controller(SGL, hp, backend="dynamic", tp_rank=1, tp_size=4,
                                  extra=sglang_real.mp_extra(str(tmp_path / "store")))
     try:
-        assert ctl.storage_backend.engine.metrics()["workers"] == 3  # (16 - 4 schedulers) // 4
-        assert list(live_shares(node, prune=False).values()) == [3]
+        # (16 - 2 for each of 4 schedulers' processes) // 4
+        assert ctl.storage_backend.engine.metrics()["workers"] == 2
+        assert list(live_shares(node, prune=False).values()) == [2]
     finally:
         ctl._stop_storage_threads()
         ctl.storage_backend.close()
@@ -82,13 +83,14 @@ def test_tp_ranks_share_the_node_budget(tmp_path, monkeypatch):
 
 def test_ranks_in_separate_processes_split_the_node(tmp_path, monkeypatch):
     """scripts/sglang_ranks.py: a lone rank, then two concurrent ranks, each
-    its own process with SGLang's controller; on a node of 6 cores the two
-    take 2 workers each (6 - 2 schedulers, halved), every page exact."""
+    its own process with SGLang's controller; on a node of 8 cores the two
+    take 2 workers each (8 - 2 x 2 for the schedulers' processes, halved),
+    every page exact."""
     import sglang_ranks
-    monkeypatch.setenv("HICACHE_MP_NODE_CORES", "6")
+    monkeypatch.setenv("HICACHE_MP_NODE_CORES", "8")
     monkeypatch.setenv("HICACHE_MP_NODE_DIR", str(tmp_path / "node"))  # this test's node only
     res = sglang_ranks.main(["--ranks", "2", *SMALL, "--runs", "1"])
-    assert res["lone"]["workers"] == 5
+    assert res["lone"]["workers"] == 6
     assert [r["workers"] for r in res["together"]] == [2, 2]
     assert res["check"]["within_cores"] and res["check"]["wrong_pages"] == 0
     assert res["check"]["checked_pages"] > 0
