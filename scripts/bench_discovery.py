@@ -53,6 +53,9 @@ GEOMETRY = dict(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, dtype="
                 layout="page_first")  # 8 KiB pages: the writer is metadata-bound, like a big store
 
 
+FIND_CHECK = 8192
+
+
 def log(msg: str) -> None:
     print(msg, flush=True)
 
@@ -210,7 +213,10 @@ def main(argv=None) -> int:
                     os.sched_setaffinity(0, allowed)
                 written = counter.value
                 # What discovery finds of it now: exists() of the writer's
-                # whole sequence, each call finding up to a probe batch more.
+                # sequence (its first FIND_CHECK pages: the writer may have
+                # written hundreds of thousands), each call finding up to a
+                # probe batch more.
+                written = min(written, FIND_CHECK)
                 keys, seen = [f"{tag}{i}" for i in range(written)], -1
                 while seen < written:
                     got_n = e.exists(keys, wait_s=5.0)
@@ -218,8 +224,8 @@ def main(argv=None) -> int:
                         break
                     seen = got_n
                 found[name] = (seen, written)
-                log(f"  the writer wrote {written} pages; {name}: this engine found {seen} of "
-                    f"them after its slices")
+                log(f"  the writer wrote {counter.value} pages; {name}: this engine found "
+                    f"{seen} of the first {written} after its slices")
         med = {k: statistics.median(v) for k, v in rates.items() if v}
         log("")
         log(f"store of {args.files:,} page files, {args.rounds} rounds of {args.phase_s:g} s "

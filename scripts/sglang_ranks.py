@@ -8,7 +8,9 @@ all ranks together, started behind a barrier so their rounds overlap. MHA
 ranks keep their own pages (TP-suffixed keys). Reports per rank: workers,
 median round time and GB/s, the busy loop's it/s, wrong pages; and the
 checks of issue 13: workers + schedulers <= cores, each loop rate against
-the lone rank's, aggregate GB/s against the lone rank's.
+the lone rank's (raw, and each as a share of the same loop's rate timed
+alone in its process just before and after its rounds: the box's speed
+drifts), aggregate GB/s against the lone rank's.
 
     PYTHONPATH=. python3 scripts/sglang_ranks.py --ranks 2 --round-mib 2048 --page-mib 8 \\
         --runs 5 --json $OUT/ranks.json
@@ -48,6 +50,10 @@ def rank_main(argv) -> None:
         print("ready", flush=True)
         sys.stdin.readline()
         times, rates = [], []
+        # The box's single-thread speed drifts by up to 2x within minutes (a
+        # shared VM): the loop is also timed alone, in this process, just
+        # before and after its rounds, and compared in those terms too.
+        alone = [S.loop_rate_alone(0.3)]
         t0 = time.perf_counter()
         for _ in range(args.runs):
             sched = S.Scheduler(True)
@@ -55,12 +61,15 @@ def rank_main(argv) -> None:
             times.append(t)
             rates.append(sched.rate())
         span = time.perf_counter() - t0
+        alone.append(S.loop_rate_alone(0.3))
         s.read(S.Scheduler(False))  # then one round with every page compared
         gb = s.pages * s.hp.get_size_per_token() * s.P / 1e9
         be = s.ctl.storage_backend
         out = {"rank": rank, "workers": getattr(be, "_backend", be).engine.metrics()["workers"],
                "round_s": statistics.median(times), "gbps": gb / statistics.median(times),
                "gb_total": gb * args.runs, "span_s": span, "loop_rate": statistics.median(rates),
+               "loop_alone": statistics.mean(alone),
+               "loop_share": statistics.median(rates) / statistics.mean(alone),
                "wrong_pages": s.wrong_pages, "checked_pages": s.checked_pages}
     finally:
         s.close()
@@ -124,6 +133,8 @@ def main(argv=None) -> dict:
         "workers_plus_schedulers": sum(r["workers"] for r in tog) + n,
         "within_cores": sum(r["workers"] for r in tog) + n <= cores,
         "loop_rate_over_lone": [r["loop_rate"] / lone["loop_rate"] for r in tog],
+        # each loop's rate over its own rate with no I/O, against the lone rank's
+        "loop_share_over_lone": [r["loop_share"] / lone["loop_share"] for r in tog],
         "aggregate_gbps": agg, "lone_gbps": lone["gb_total"] / lone["span_s"],
         "aggregate_over_lone": agg / (lone["gb_total"] / lone["span_s"]),
         "wrong_pages": sum(r["wrong_pages"] for r in tog) + lone["wrong_pages"],
