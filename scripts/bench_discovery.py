@@ -237,6 +237,7 @@ def main(argv=None) -> int:
             log(f"| {k} | {med[k]:,.0f} | {ratio} |")
     finally:
         if not args.store:
+            log(f"removing the temporary store ({args.files:,} files; --store DIR keeps one)")
             shutil.rmtree(store, ignore_errors=True)
     return 0
 
