@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from shm import Ring, WakeSemaphore
 from shm.segment import ShmFullError
 from workers.child import Child, ChildStartError, wait_ready
-from workers.control import MAX_WORKERS, READS_DONE, READS_SUBMITTED, READY_PID, STOP, Control
+from workers.control import INFLIGHT, INFLIGHT_KEY, MAX_WORKERS, READS_DONE, READS_SUBMITTED, \
+    READY_PID, STOP, Control
 from workers.spec import WorkerSpec
 
 # Replacements of one slot that may fail to start in a row before the pool is
@@ -227,6 +228,10 @@ class WorkerPool:
             # is outstanding any more (workers.control: reads outstanding).
             row[READS_SUBMITTED] = 0
             row[READS_DONE] = 0
+            # A worker killed inside a write never cleared its reservation; its
+            # temp file, if any, is on disk for the evictor's scan to count.
+            row[INFLIGHT] = 0
+            row[INFLIGHT_KEY] = 0
             self.control.heartbeat[index] = 0
             spec = self.spec.bind(index=index, parent_pid=os.getpid(), read_ring=submit.name,
                                   write_ring=write.name, completion_ring=completion.name,

@@ -117,3 +117,31 @@ def test_worker_killed_mid_write(store, depth):
         assert backup(e, keys, range(N)).status == "ok"
         assert prefetch(e, keys, range(N, 2 * N)).status == "ok"
         assert get(e, N) == content(keys[0], pb)
+
+
+def test_a_write_killed_mid_way_stops_counting_towards_the_store_limit(store):
+    """With a byte limit, a write reserves its page before it starts (the
+    evictor counts the reservation as store bytes). A worker killed inside a
+    write never clears its reservation: once its replacement runs, the
+    engine's estimate of the store must come back to the page files on disk,
+    not stay a page over for as long as the replacement writes nothing."""
+    keys = [f"l{i}" for i in range(N)]
+    with make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1,
+              storage_max_bytes=1 << 40, eviction_interval_s=0.1) as e:
+        pb = e.geometry.page_bytes
+        for i, k in enumerate(keys):
+            put(e, i, content(k, pb))
+        victim = e._pool.workers[1]
+        os.kill(victim.pid, signal.SIGSTOP)
+        op = e.backup(keys, range(N))
+        tmp = stop_during_io(victim.pid, lambda p: naming.TMP_MARK in p, run_s=_step_s(1))
+        os.kill(victim.pid, signal.SIGKILL)
+        assert tmp, "never caught the worker inside a write"
+        _wait_bounded(e, op)
+        assert settle(lambda: not store_files(store)[1]), "the dead writer's temp file stayed"
+        assert settle(lambda: e.metrics()["respawns"] == 1)
+
+        def on_disk():
+            return sum(os.path.getsize(p) for p in store_files(store)[0])
+        assert settle(lambda: e.metrics()["store_bytes_estimate"] == on_disk(), timeout_s=10), \
+            (e.metrics()["store_bytes_estimate"], on_disk())
