@@ -89,7 +89,10 @@ def test_merge_prints_one_table_from_reports_run_apart(tmp_path, capsys):
     out = capsys.readouterr().out
     table = out[out.index("Comparison"):]
     assert [line.split()[0] for line in table.splitlines()[3:5]] == ["mp", "fast_file"]
-    assert "Verdict (mean TTFT, this run): mp is " in out and "than fast_file" in out
+    # faster, level or slower: on a loaded box the two runs may come out level
+    verdict = [line for line in out.splitlines() if line.startswith("Verdict")]
+    assert verdict and verdict[0].startswith("Verdict (mean TTFT, this run): mp is ") \
+        and "fast_file" in verdict[0], out
     rep = json.loads(merged.read_text())
     assert list(rep["runs"]) == ["mp", "fast_file"] and len(rep["merged_from"]) == 2
     # Another workload does not go in the same table.
