@@ -84,20 +84,28 @@ def test_worker_killed_mid_read(store, depth):
         assert again.status == "ok" and not wrong_pages(e, again, _allowed(e))
 
 
+def _kill_inside_a_write(e, keys, depth):
+    """Back `keys` up from slots 0.. and SIGKILL worker 1 while it holds a temp
+    file open; (the op, ended in bounded time; the temp file's path)."""
+    pb = e.geometry.page_bytes
+    for i, k in enumerate(keys):
+        put(e, i, content(k, pb))
+    victim = e._pool.workers[1]
+    os.kill(victim.pid, signal.SIGSTOP)
+    op = e.backup(keys, range(len(keys)))
+    tmp = stop_during_io(victim.pid, lambda p: naming.TMP_MARK in p, run_s=_step_s(depth))
+    os.kill(victim.pid, signal.SIGKILL)
+    assert tmp, "never caught the worker inside a write"
+    _wait_bounded(e, op)
+    return op, tmp
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 def test_worker_killed_mid_write(store, depth):
     keys = [f"w{i}" for i in range(N)]
     with make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1, io_depth=depth) as e:
         pb = e.geometry.page_bytes
-        for i, k in enumerate(keys):
-            put(e, i, content(k, pb))
-        victim = e._pool.workers[1]
-        os.kill(victim.pid, signal.SIGSTOP)
-        op = e.backup(keys, range(N))
-        tmp = stop_during_io(victim.pid, lambda p: naming.TMP_MARK in p, run_s=_step_s(depth))
-        os.kill(victim.pid, signal.SIGKILL)
-        assert tmp, "never caught the worker inside a write"
-        _wait_bounded(e, op)
+        op, tmp = _kill_inside_a_write(e, keys, depth)
         assert op.status in ("partial", "failed")
         assert op.status_counts().get("worker_died", 0) > 0
         # The half-written temp file is no page: not indexed, not at the page's path.
@@ -128,16 +136,7 @@ def test_a_write_killed_mid_way_stops_counting_towards_the_store_limit(store):
     keys = [f"l{i}" for i in range(N)]
     with make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1,
               storage_max_bytes=1 << 40, eviction_interval_s=0.1) as e:
-        pb = e.geometry.page_bytes
-        for i, k in enumerate(keys):
-            put(e, i, content(k, pb))
-        victim = e._pool.workers[1]
-        os.kill(victim.pid, signal.SIGSTOP)
-        op = e.backup(keys, range(N))
-        tmp = stop_during_io(victim.pid, lambda p: naming.TMP_MARK in p, run_s=_step_s(1))
-        os.kill(victim.pid, signal.SIGKILL)
-        assert tmp, "never caught the worker inside a write"
-        _wait_bounded(e, op)
+        _kill_inside_a_write(e, keys, 1)
         assert settle(lambda: not store_files(store)[1]), "the dead writer's temp file stayed"
         assert settle(lambda: e.metrics()["respawns"] == 1)
 
