@@ -45,6 +45,7 @@ Failure states (checked every HEALTH_CHECK_S from poll(), never blocking it):
 """
 import os
 import signal
+import threading
 import time
 import weakref
 
@@ -123,6 +124,9 @@ class PrefetchEngine(EngineCore):
         # their target not reached (a post left over from an earlier wait).
         # ... and leftover posts taken before a sleep (never slept on).
         self._wakeups = [0, 0, 0, 0]
+        self._targets: list = []  # wake-up target of each thread in wait(); 0: none
+        self._leader = False        # one of them sleeps on done_sem for all (_sleep_for_completion)
+        self._woken = threading.Condition(self._lock)
         self._gil_delay_s = 0.0  # EWMA: a worker's post -> the waiter runs again
         self._stalled_pages = 0
         if pool_fd is not None and pool_parts is not None:
@@ -540,49 +544,85 @@ class PrefetchEngine(EngineCore):
 
     def _sleep_for_completion(self, timeout_s: float, op=None) -> None:
         # The lock makes the counter update atomic across waiting threads (SGLang
-        # may block in several) and keeps the rings single-consumer; the sleep
-        # itself happens outside it, with the GIL released.
+        # blocks in several: its backup thread in batch_set_v1 while its I/O
+        # thread waits in batch_get_v1) and keeps the rings single-consumer.
+        # One of them, the leader, sleeps on the completion semaphore with the
+        # lock (and the GIL) released; the others wait on `_woken`, which the
+        # leader notifies once it woke and drained: a post wakes whichever
+        # thread sleeps on a semaphore, so two on it woke each other's pages.
+        # Each waiter on an op sets the point at which its pages are surely done
+        # (control: WAKE_AT) and the workers post at the lowest, so each thread
+        # wakes about once per batch of its own, not once per page anyone moved;
+        # a waiter on no op: after every completion. Set before the
+        # announcement, so no worker sees a waiter without it.
         words = self._control.words
         with self._lock:
             if self._released:
                 return
-            # One waiter on one op: wake once, when its pages are surely done
-            # (control: WAKE_AT); any other case: after every completion. Set
-            # before the announcement, so no worker sees a waiter without it.
-            target = op is not None and not words[WAITERS] and not op.done
+            target = op is not None and not op.done
             at = self._worker_pages + op._remaining if target else 0
-            if at:
-                # Nobody waits now, so a post still pending is left over from a
-                # wait that ended without sleeping (its last page drained just
-                # before the worker posted): taken here with the GIL held, it
-                # cannot end this sleep at once for a GIL hand-back.
+            cap = min(timeout_s, TARGET_CAP_S if target else 0.005)
+            lead = not self._leader
+            if lead and at:
+                # Nobody sleeps on the semaphore now, so a post still pending is
+                # left over from a wait that ended without sleeping (its last page
+                # drained just before the worker posted): taken here with the GIL
+                # held, it cannot end this sleep at once for a GIL hand-back.
                 self._wakeups[3] += self.done_sem.take_pending()
-                words[WAKE_SEQ] += 1  # before the target: a post for an old one never counts
-            words[WAKE_AT] = at
+            self._targets.append(at)
+            self._set_wake_at()
             words[WAITERS] += 1
             # Re-check after announcing ourselves: a completion pushed before the
             # announcement posted nothing. The cap covers the remaining race.
             drained = self._drain()
+            if drained or not lead:
+                try:
+                    if drained:
+                        self._woken.notify_all()  # those pages may end a follower's op
+                    else:
+                        self._count_wake(self._woken.wait(cap), at, follower=True)
+                finally:
+                    self._leave(at)
+                return
+            self._leader = True
         posted = False
         try:
-            if not drained:
-                # Each sleep gives the GIL up and takes it back on waking: counted
-                # (posted wake-ups and cap expiries) so the GIL cost of a batch
-                # can be measured (scripts/sglang_stack.py prints it).
-                posted = self.done_sem.wait(min(timeout_s, TARGET_CAP_S if target else 0.005))
+            # Each sleep gives the GIL up and takes it back on waking: counted
+            # (posted wake-ups and cap expiries) so the GIL cost of a batch
+            # can be measured (scripts/sglang_stack.py prints it).
+            posted = self.done_sem.wait(cap)
         finally:
             with self._lock:
-                if not drained:
-                    self._wakeups[0 if posted else 1] += 1
-                    if posted and at:
-                        if int(self._control.workers[:, PAGES].sum()) < at:
-                            self._wakeups[2] += 1
-                        else:  # from the worker's post to running again: the GIL's price
-                            delay = (time.monotonic_ns() - int(words[POSTED_NS])) / 1e9
-                            self._gil_delay_s += 0.25 * (delay - self._gil_delay_s)
-                words[WAITERS] -= 1
-                if not words[WAITERS]:
-                    words[WAKE_AT] = 0
+                self._leader = False
+                self._count_wake(posted, at)
+                self._drain()  # the followers' ops too, before they look
+                self._woken.notify_all()
+                self._leave(at)
+
+    def _set_wake_at(self) -> None:
+        """WAKE_AT for the waiters now: the lowest target, 0 if any has none.
+        Each new target is numbered (WAKE_SEQ) before it is set: a post for an
+        old one never counts."""
+        words = self._control.words
+        at = 0 if not self._targets or 0 in self._targets else min(self._targets)
+        if at:
+            words[WAKE_SEQ] += 1
+        words[WAKE_AT] = at
+
+    def _leave(self, at: int) -> None:
+        self._control.words[WAITERS] -= 1
+        self._targets.remove(at)
+        self._set_wake_at()
+
+    def _count_wake(self, posted: bool, at: int, follower: bool = False) -> None:
+        self._wakeups[0 if posted else 1] += 1
+        if not posted or not at or follower:
+            return
+        if int(self._control.workers[:, PAGES].sum()) < at:
+            self._wakeups[2] += 1
+        else:  # from the worker's post to running again: the GIL's price
+            delay = (time.monotonic_ns() - int(self._control.words[POSTED_NS])) / 1e9
+            self._gil_delay_s += 0.25 * (delay - self._gil_delay_s)
 
     def _shutdown_io(self) -> None:
         self._control.words[STOP] = 1  # the evictor watches it too
@@ -596,6 +636,7 @@ class PrefetchEngine(EngineCore):
     def _wake_sleepers(self) -> None:
         for _ in range(self._sleepers):
             self.done_sem.post()
+        self._woken.notify_all()  # the leader's followers (called with the lock held)
 
     def _forget_resources(self) -> None:
         if getattr(self, "_finalizer", None) is not None:

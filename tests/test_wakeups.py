@@ -118,3 +118,40 @@ def test_a_post_left_over_from_an_earlier_wait_does_not_end_the_next_sleep(store
         assert m1["wait_wakeups_stale"] == m0["wait_wakeups_stale"], (m0, m1)
         assert m1["wait_leftover_posts_taken"] - m0["wait_leftover_posts_taken"] == 1
         assert torch.equal(read_back(eng, range(n)).view(torch.int16), data.view(torch.int16))
+
+
+def test_two_threads_waiting_on_a_backup_and_a_prefetch_are_not_woken_per_page(store):
+    """SGLang's backup thread waits in batch_set_v1 while its I/O thread waits
+    in batch_get_v1. Each is woken about once, when its own batch is done,
+    not after every page either of them moved; and neither sleeps on to its
+    cap once its batch is done, even when the post went to the other."""
+    import signal
+    import threading
+    n = 128
+    old = [os.urandom(32).hex() for _ in range(n)]
+    new = [os.urandom(32).hex() for _ in range(n)]
+    with engine(store, pages=3 * n, workers=2) as eng:
+        data = random_pages(eng.geometry, 2 * n, seed=9)
+        fill(eng, range(2 * n), data)
+        op = eng.backup(old, list(range(n)))
+        assert eng.wait(op, 60) and op.status == "ok"
+        pids = eng.worker_pids()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            wop = eng.backup(new, list(range(n, 2 * n)))
+            rop = eng.prefetch(old, list(range(2 * n, 3 * n)))
+            before = _wakeups(eng)
+            backup_thread = threading.Thread(target=eng.wait, args=(wop, 60))
+            backup_thread.start()
+        finally:
+            # both waiters are asleep (with their targets) before the workers go on
+            threading.Timer(0.3, lambda: [os.kill(p, signal.SIGCONT) for p in pids]).start()
+        assert eng.wait(rop, 60)
+        backup_thread.join(60)
+        assert rop.status == "ok" and wop.status == "ok"
+        posted, expired = (a - b for a, b in zip(_wakeups(eng), before))
+        assert posted <= 12, f"{posted} posted wake-ups for two {n}-page batches"
+        assert expired <= 2, f"{expired} sleeps ran to their cap"
+        assert torch.equal(read_back(eng, range(2 * n, 3 * n)).view(torch.int16),
+                           data[:n].view(torch.int16))
