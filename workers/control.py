@@ -47,15 +47,14 @@ outstanding. A worker whose current page I/O started more than SLOW_IO_S ago
 filesystem) or in a stopped process must not hold every other worker's
 backups back, and the reads queued behind it will not go sooner for that.
 
-Wake-up target: while exactly one thread waits on one op, WAKE_AT is the
-sum of every worker's PAGES at which that op is surely done (the engine's
-count of completions it has drained, plus the op's pages outstanding: a
+Wake-up target: while threads wait on ops, WAKE_AT is the lowest sum of
+every worker's PAGES at which one of those ops is surely done (the engine's
+count of completions it has drained, plus that op's pages outstanding: a
 worker counts a page before it pushes its completion, so the sum reaches it
 no later than the op's last push). A worker posts the completion semaphore
 only once the sum reaches it, so a batch wakes its waiter about once instead
-of once per page; 0 means post after every completion (several waiters).
-Each target is posted once: the engine numbers its targeted sleeps
-(WAKE_SEQ), and the worker that posts first marks that number (POSTED_SEQ),
+of once per page; 0 means post after every completion (a waiter on no op).
+Each target is posted once: the engine numbers its targets (WAKE_SEQ), and the worker that posts first marks that number (POSTED_SEQ),
 so the workers completing pages after it, while the waiter is still taking
 the GIL back (WAITERS is still set), post nothing more: a post left over
 would end the waiter's next sleep at once, for a GIL hand-back. A late mark

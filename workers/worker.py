@@ -316,7 +316,7 @@ class Worker:
             self._maybe_wake()
 
     def _maybe_wake(self) -> None:
-        """Post the waiter's semaphore: always when no single waiter set a
+        """Post the waiter's semaphore: always when a waiter set no
         target (control: WAKE_AT); with one, once it is reached, once per
         target (WAKE_SEQ / POSTED_SEQ), and not while a post is pending:
         workers finishing a batch's last pages together each see the target
