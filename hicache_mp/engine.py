@@ -72,7 +72,7 @@ from .nodeshare import NodeShare
 from .ops import READ, Op
 
 HEALTH_CHECK_S = 0.1
-# A lone waiter with a wake-up target sleeps until its batch is done or this
+# A waiter with a wake-up target sleeps until its batch is done or this
 # long: each early expiry takes the GIL back once, which under a busy
 # scheduler costs up to a switch interval, so a long batch must not be cut
 # into 20 ms naps (the cap is for a worker that dies mid-batch).
