@@ -595,7 +595,8 @@ class PrefetchEngine(EngineCore):
             with self._lock:
                 self._leader = False
                 self._count_wake(posted, at)
-                self._drain()  # the followers' ops too, before they look
+                if not self._closed:
+                    self._drain()  # the followers' ops too, before they look
                 self._woken.notify_all()
                 self._leave(at)
 
