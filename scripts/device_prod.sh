@@ -17,7 +17,8 @@
 #              pairs' ratios (OUTDIR/mixed.json; ~2 minutes)
 #   discovery  scripts/bench_discovery.py on a store of 1 M page files: the
 #              scheduler's loop rate quiet / another engine writing (found by
-#              probes) / the old whole-store rescan (OUTDIR/discovery.log)
+#              probes) / the old whole-store rescan, in 16 rounds of
+#              interleaved 1 s slices (OUTDIR/discovery.log)
 # Usage: scripts/device_prod.sh OUTDIR [ranks] [storage] [mixed] [discovery]
 set -u
 out=${1:?usage: scripts/device_prod.sh OUTDIR [ranks] [storage] [mixed] [discovery]}
@@ -51,7 +52,7 @@ for part in $parts; do
       echo "bench_storage mixed rc=$? at $((SECONDS - t0))s"
       quiet "$out/mixed.log" 30 ;;
     discovery)
-      timeout 280 python3 scripts/bench_discovery.py --files 1000000 --phase-s 4 --rounds 3 \
+      timeout 300 python3 scripts/bench_discovery.py --files 1000000 --phase-s 1 --rounds 16 \
         > "$out/discovery.log" 2>&1
       echo "bench_discovery rc=$? at $((SECONDS - t0))s"
       quiet "$out/discovery.log" 20 ;;
