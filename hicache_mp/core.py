@@ -167,9 +167,10 @@ class EngineCore:
     def exists(self, keys, *, wait_s: float = 0.0) -> int:
         """How many leading keys have a page in the store.
 
-        No syscall here. The first key the index does not know is asked of
-        the store by a worker (one stat, at most once per PROBE_TTL_S per
-        key; hicache_mp.discovery), and once it is found, the keys after it
+        No syscall here. The keys the index does not know are asked of the
+        store by workers (one stat each, at most once per PROBE_TTL_S per
+        key; hicache_mp.discovery): when none of the prefix is known, its
+        first key alone, and once that one is found, the keys after it
         together: pages another engine wrote are found by a later call once
         `poll()` has the answers, or by this one with `wait_s` > 0, which
         waits up to that long (GIL released) for them. Head first because a
@@ -185,7 +186,9 @@ class EngineCore:
         if n == len(keys) or self._closed:
             return n
         deadline = time.monotonic() + wait_s
-        head = True
+        # A prefix whose first pages are known is asked about whole (its
+        # writer likely wrote on); one with none known, head first.
+        head = n == 0
         while True:
             self._ask(keys[n:], deadline, whole=not head)
             found = self._leading(keys[n:])

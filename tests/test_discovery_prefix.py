@@ -64,3 +64,24 @@ def test_ask_finds_pages_behind_a_missing_head(store):
         assert not reader.present(keys).any()
         reader.ask(keys, wait_s=10.0)
         assert reader.present(keys).tolist() == [False] * 4 + [True] * 4
+
+
+def test_a_scheduler_polling_without_waiting_finds_a_prefix_in_three_calls(store):
+    """exists() with no wait, called again after poll(): the head, then the
+    rest of the prefix together, not one more key per call."""
+    keys = [f"poll-{i}" for i in range(PAGES)]
+    with engine(store, pages=PAGES) as reader, engine(store, pages=PAGES) as writer:
+        data = random_pages(writer.geometry, PAGES, seed=10)
+        fill(writer, range(PAGES), data)
+        op = writer.backup(keys, range(PAGES))
+        assert writer.wait(op, 60) and op.status == "ok", op
+        got = []
+        for _ in range(3):
+            got.append(reader.exists(keys))
+            deadline = time.monotonic() + 10
+            while reader.metrics()["probes_sent"] > reader.metrics()["probes_found"] and \
+                    time.monotonic() < deadline:   # every answer in: all asked keys exist
+                reader.poll()
+                time.sleep(0.01)
+        assert got == [0, 1, PAGES], got
+        assert reader.metrics()["probes_sent"] == PAGES
