@@ -180,12 +180,21 @@ def stop_during_io(pid: int, wanted, timeout_s: float = 10.0, run_s: float = 0.0
     Returns the path with the process left stopped (the caller kills it), or
     None if it never caught the worker in the act.
     """
+    def held():
+        hit = [p for p in open_files(pid) if wanted(p)]
+        return hit[0] if hit else None
+    return stop_when(pid, held, timeout_s, run_s)
+
+
+def stop_when(pid: int, check, timeout_s: float = 10.0, run_s: float = 0.0002):
+    """Step a stopped `pid` (as stop_during_io) until `check()` returns
+    something true while it is stopped; that, with `pid` left stopped, or None."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         _wait_stopped(pid)
-        hit = [p for p in open_files(pid) if wanted(p)]
+        hit = check()
         if hit:
-            return hit[0]
+            return hit
         os.kill(pid, signal.SIGCONT)
         time.sleep(run_s)
         os.kill(pid, signal.SIGSTOP)
