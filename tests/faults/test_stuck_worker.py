@@ -16,7 +16,6 @@ import time
 import numpy as np
 import pytest
 
-from workers import naming
 from workers import status as st
 from workers.control import READS_DONE, READS_SUBMITTED
 
