@@ -186,6 +186,34 @@ def stop_during_io(pid: int, wanted, timeout_s: float = 10.0, run_s: float = 0.0
     return stop_when(pid, held, timeout_s, run_s)
 
 
+def catch_in_read(eng, victim, submit, steps, tries: int = 40):
+    """Call `submit()` (a prefetch; returns its op) with worker `victim`
+    stopped, and step the victim until it is inside one of its reads (its
+    heartbeat set: a page I/O as the watchdog sees one). Returns the op with
+    the victim left stopped, or None. A page-cache read of 2 MiB is short: a
+    try often ends with all of the victim's reads done between two stops; it
+    is then given up at once (the op let finish) and made again, with the
+    next step length of `steps` (fresh-clone CI runs missed 4 and 8 tries of
+    5 s each when only an open page file counted and a try ran to its end)."""
+    from workers.control import READS_DONE, READS_SUBMITTED
+    beat = eng._control.heartbeat[victim.index]
+    row = eng._control.workers[victim.index]
+
+    def caught():
+        if beat.any():
+            return "read"
+        return "missed" if int(row[READS_DONE]) >= int(row[READS_SUBMITTED]) else None
+
+    for attempt in range(tries):
+        os.kill(victim.pid, signal.SIGSTOP)
+        op = submit()
+        if stop_when(victim.pid, caught, 5.0, steps[attempt % len(steps)]) == "read":
+            return op
+        os.kill(victim.pid, signal.SIGCONT)
+        assert eng.wait(op, 30) and op.status == "ok"
+    return None
+
+
 def stop_when(pid: int, check, timeout_s: float = 10.0, run_s: float = 0.0002):
     """Step a stopped `pid` (as stop_during_io) until `check()` returns
     something true while it is stopped; that, with `pid` left stopped, or None."""

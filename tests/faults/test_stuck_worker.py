@@ -17,39 +17,22 @@ import numpy as np
 import pytest
 
 from workers import status as st
-from workers.control import READS_DONE, READS_SUBMITTED
 
 from faultkit import BIG, backup, content, fingerprint, get, make, poison, prefetch, put, \
-    stop_when, wrong_pages
+    catch_in_read, wrong_pages
 
 N = 16
 
 
 def _catch_in_read(e, victim, keys, slots):
-    """Prefetch `keys` with `victim` frozen inside one of its reads (its
-    heartbeat set: a page I/O as the engine's watchdog and reads-first see
-    one); returns the op. A page-cache read of 2 MiB is short: a try often
-    ends with all of the victim's reads done between two stops, and is then
-    given up at once and made again (8 tries of 5 s each missed on a fresh
-    CI run)."""
-    beat = e._control.heartbeat[victim.index]
-    row = e._control.workers[victim.index]
-
-    def caught():
-        if beat.any():
-            return "read"
-        return "missed" if int(row[READS_DONE]) >= int(row[READS_SUBMITTED]) else None
-
-    for attempt in range(40):
+    """Prefetch `keys` with `victim` frozen inside one of its reads; returns the op."""
+    def submit():
         poison(e, slots)
-        os.kill(victim.pid, signal.SIGSTOP)
-        op = e.prefetch(keys, slots)
-        if stop_when(victim.pid, caught, timeout_s=5.0,
-                     run_s=(0.0, 0.0001, 0.0002, 0.0005)[attempt % 4]) == "read":
-            return op
-        os.kill(victim.pid, signal.SIGCONT)  # missed every read window: let it finish, again
-        assert e.wait(op, 30) and op.status == "ok"
-    pytest.fail("never caught the worker inside a read")
+        return e.prefetch(keys, slots)
+    op = catch_in_read(e, victim, submit, steps=(0.0, 0.0001, 0.0002, 0.0005))
+    if op is None:
+        pytest.fail("never caught the worker inside a read")
+    return op
 
 
 def test_stuck_worker_is_failed_fenced_and_replaced(store):

@@ -13,7 +13,7 @@ import pytest
 
 from workers import naming
 
-from faultkit import BIG, backup, content, fingerprint, get, make, prefetch, \
+from faultkit import BIG, backup, catch_in_read, content, fingerprint, get, make, prefetch, \
     put, settle, stop_during_io, store_files, wrong_pages
 
 N = 24
@@ -60,21 +60,13 @@ def test_worker_killed_mid_read(store, depth):
     with make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1, io_depth=depth) as e:
         assert backup(e, keys, range(N)).status == "ok"
         victim = e._pool.workers[1]
-        # Reads are quick (2 MiB from the page cache), so on a loaded box a pass
-        # can miss every window; a missed pass is let finish and tried again,
-        # with another step length (reads can be repeated; writes, below, are
-        # slow enough to be caught in one pass).
-        for attempt in range(4):
-            os.kill(victim.pid, signal.SIGSTOP)  # stop_during_io steps it from here
-            op = e.prefetch(keys, range(N, 2 * N))
-            caught = stop_during_io(victim.pid, lambda p: p.endswith(naming.PAGE_SUFFIX),
-                                    timeout_s=5.0, run_s=_step_s(depth) * (0.5, 1, 2, 4)[attempt])
-            if caught:
-                break
-            os.kill(victim.pid, signal.SIGCONT)
-            assert e.wait(op, 30) and op.status == "ok"
+        # Reads are quick (2 MiB from the page cache): a try that misses them is
+        # let finish and made again (faultkit.catch_in_read; reads can be
+        # repeated; writes, below, are slow enough to be caught in one pass).
+        op = catch_in_read(e, victim, lambda: e.prefetch(keys, range(N, 2 * N)),
+                           steps=tuple(_step_s(depth) * k for k in (0.5, 1, 2, 4)))
         os.kill(victim.pid, signal.SIGKILL)
-        assert caught, "never caught the worker inside a read"
+        assert op is not None, "never caught the worker inside a read"
         _wait_bounded(e, op)
         assert op.status in ("partial", "failed")
         assert op.status_counts().get("worker_died", 0) > 0
