@@ -120,9 +120,9 @@ class PrefetchEngine(EngineCore):
         self._evictor = None
         self._fences: list = []     # (killed stuck worker, host slots held until it is reaped)
         self._stuck_workers = 0
-        # Sleeps ended by a worker's post, by the cap; and posted wakes that found
-        # their target not reached (a post left over from an earlier wait).
-        # ... and leftover posts taken before a sleep (never slept on).
+        # Sleeps ended by a worker's post, by the cap; posted wakes that found
+        # their target not reached (a post left over from an earlier wait); and
+        # leftover posts taken before a sleep (never slept on).
         self._wakeups = [0, 0, 0, 0]
         self._targets: list = []  # wake-up target of each thread in wait(); 0: none
         self._leader = False        # one of them sleeps on done_sem for all (_sleep_for_completion)

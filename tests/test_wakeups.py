@@ -13,14 +13,20 @@ def _wakeups(eng):
     return m["wait_wakeups_posted"], m["wait_wakeups_timeout"]
 
 
+def _stored(eng, n: int, seed: int):
+    """`n` new keys whose random pages (slots 0..n-1) are backed up; (keys, data)."""
+    keys = [os.urandom(32).hex() for _ in range(n)]
+    data = random_pages(eng.geometry, n, seed=seed)
+    fill(eng, range(n), data)
+    op = eng.backup(keys, list(range(n)))
+    assert eng.wait(op, 60) and op.status == "ok"
+    return keys, data
+
+
 def test_one_waiter_is_woken_once_per_batch_not_per_page(store):
     n = 256
-    keys = [os.urandom(32).hex() for _ in range(n)]
     with engine(store, pages=n, workers=2) as eng:
-        data = random_pages(eng.geometry, n, seed=3)
-        fill(eng, range(n), data)
-        op = eng.backup(keys, list(range(n)))
-        assert eng.wait(op, 60) and op.status == "ok"
+        keys, data = _stored(eng, n, seed=3)
         posted0, _ = _wakeups(eng)
         assert posted0 <= 4, f"{posted0} posted wake-ups for one {n}-page batch"
         for _ in range(3):
@@ -93,12 +99,8 @@ def test_a_post_left_over_from_an_earlier_wait_does_not_end_the_next_sleep(store
     done semaphore while nobody waits."""
     import signal
     n = 32
-    keys = [os.urandom(32).hex() for _ in range(n)]
     with engine(store, pages=n, workers=2) as eng:
-        data = random_pages(eng.geometry, n, seed=4)
-        fill(eng, range(n), data)
-        op = eng.backup(keys, list(range(n)))
-        assert eng.wait(op, 60) and op.status == "ok"
+        keys, data = _stored(eng, n, seed=4)
         pids = eng.worker_pids()
         for pid in pids:   # the next op cannot finish before its waiter sleeps
             os.kill(pid, signal.SIGSTOP)

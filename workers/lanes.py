@@ -60,11 +60,12 @@ class Lane:
     must be a whole block), which costs nothing at a true EOF.
     """
 
-    def __init__(self, direct: bool, slot: int, gate=None):
+    def __init__(self, direct: bool, slot: int):
         self.slot = slot  # its heartbeat word (workers.control)
         # Called by the store between two pieces of a buffered write (None: the
-        # write goes whole); the time spent in it is `paused_ns`, not I/O.
-        self.gate = gate
+        # write goes whole; `writing_lane` sets it); the time spent in it is
+        # `paused_ns`, not I/O.
+        self.gate = None
         self.paused_ns = 0
         self.scratch = directio.Scratch(3 * directio.ALIGN)
         self.header = self.scratch[0:pagefile.HEADER_SIZE]
@@ -74,14 +75,15 @@ class Lane:
         self.out = np.zeros(1, dtype=RECORD_DTYPE)
 
 
-def gate_for(worker, lane: Lane):
-    """The pause point of `lane`'s buffered writes (Worker.write_gate), or None
-    with O_DIRECT: such a write waits on the device, not on a core, so it
-    takes nothing from reads but device time, which reads-first across
-    workers already rations before the write starts."""
-    if not worker.gated:
-        return None
-    return lambda: worker.write_gate(lane)
+def writing_lane(worker, slot: int) -> Lane:
+    """A lane that may run writes: buffered ones pause at its gate
+    (Worker.write_gate); O_DIRECT ones have none, as such a write waits on the
+    device, not on a core, so it takes nothing from reads but device time,
+    which reads-first across workers already rations before it starts."""
+    lane = Lane(worker.direct, slot)
+    if worker.gated:
+        lane.gate = lambda: worker.write_gate(lane)
+    return lane
 
 
 class WriteLane:
@@ -94,8 +96,7 @@ class WriteLane:
 
     def __init__(self, worker):
         self.w = worker
-        self.lane = Lane(worker.direct, 1)  # heartbeat slot 1: the loop's own is 0
-        self.lane.gate = gate_for(worker, self.lane)
+        self.lane = writing_lane(worker, 1)  # heartbeat slot 1: the loop's own is 0
         self.busy = False
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="io-write", daemon=True)
@@ -153,9 +154,7 @@ def run_lanes(worker) -> bool:
     free = threading.Semaphore(w.depth)
     work: queue.SimpleQueue = queue.SimpleQueue()
     dispatch = _Dispatch(w)
-    lanes = [Lane(w.direct, i) for i in range(w.depth)]
-    for lane in lanes:
-        lane.gate = gate_for(w, lane)
+    lanes = [writing_lane(w, i) for i in range(w.depth)]
     threads = [threading.Thread(target=_lane_loop, args=(w, lane, work, free, dispatch),
                                 name=f"io-lane-{lane.slot}", daemon=True) for lane in lanes]
     for t in threads:

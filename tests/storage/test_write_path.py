@@ -42,11 +42,17 @@ def test_reads_go_before_writes_queued_ahead_of_them(store):
             rop = e.prefetch(old, range(16, 20))  # queued after every write
         finally:
             cont(pids)
-        assert e.wait(wop, 30) and e.wait(rop, 30)
-        assert rop.status == "ok" and wop.status == "ok"
-        assert not wrong_pages(e, rop, _allowed(e))
         # Every read finished before the first write.
-        assert rop.landed_seq.max() < wop.landed_seq.min(), (rop.landed_seq, wop.landed_seq)
+        _reads_landed_first(e, rop, wop)
+
+
+def _reads_landed_first(e, rop, wop) -> None:
+    """Both ops end ok, the reads' bytes are right, and every read landed
+    before the first write."""
+    assert e.wait(wop, 30) and e.wait(rop, 30)
+    assert rop.status == "ok" and wop.status == "ok"
+    assert not wrong_pages(e, rop, _allowed(e))
+    assert rop.landed_seq.max() < wop.landed_seq.min(), (rop.landed_seq, wop.landed_seq)
 
 
 def _queued_reads_and_writes(e, nreads: int, nwrites: int, *, cold: bool = False):
@@ -296,10 +302,7 @@ def test_a_write_already_running_when_a_prefetch_comes_pauses_for_its_reads(stor
             rop = e.prefetch(old, range(nreads + 1, 2 * nreads + 1))  # queued mid-write
         finally:
             cont(pids)
-        assert e.wait(wop, 30) and e.wait(rop, 30)
-        assert rop.status == "ok" and wop.status == "ok"
-        assert not wrong_pages(e, rop, _allowed(e))
-        assert rop.landed_seq.max() < wop.landed_seq.min(), (rop.landed_seq, wop.landed_seq)
+        _reads_landed_first(e, rop, wop)
         # The paused write's file is whole: read back, it is the page that was written.
         back = prefetch(e, wop.keys, [nreads + 1])
         assert back.status == "ok" and not wrong_pages(e, back, _allowed(e))
