@@ -83,8 +83,8 @@ WRITE_SHARE_HELP = ("while reads wait (prefetches queued or in flight at any wor
                     "backups go at full speed. Between 0 and 1, exclusive")
 IO_DEPTH_HELP = ("page I/Os each worker keeps in flight (threads inside the worker process; "
                  "preadv/pwritev release the GIL); reads stay first and at most one write per "
-                 "worker runs beside them (at depth 1 too, on a thread of its own). 0 = auto: 2 with O_DIRECT, where the device's queue "
-                 "is the limit (H200 box: write-through 1.2-1.3x at 15 workers), 1 with buffered "
+                 "worker runs beside them (at depth 1 too, on a thread of its own). 0 = auto: 2 with "
+                 "O_DIRECT, where the device's queue is the limit, 1 with buffered "
                  "I/O, where each I/O is a page-cache copy on a core and more threads than cores "
                  "only contend. Total depth is workers x this")
 BACKUP_BUDGET_HELP = ("host pages that backups may hold at once (0 = the whole host pool; a "
@@ -102,13 +102,17 @@ class EngineConfig:
     storage_dir: str = setting(help="page store directory, or a comma-separated list of them "
                                "(one per drive): pages spread over them by digest", sglang=True)
     num_workers: int = setting(
-        0, "I/O worker processes; 0 = auto: a share of the node-wide budget of physical cores "
-        "less one per engine's scheduler (see node_engines)",
+        0, "I/O worker processes; 0 = auto: an even share of the node's physical cores less "
+        "two per engine (kept for its scheduler's process: the loop and the storage threads "
+        "beside it), split over the engines on the node (see node_engines), never more than "
+        "the running engines left free, at least one (HICACHE_MP_NODE_CORES overrides the "
+        "core count)",
         flag="--hicache-mp-workers", sglang=True, lo=0, hi=MAX_WORKERS, metavar="N")
     node_engines: int = setting(
         0, "engines expected on this node that share the auto worker budget (physical cores "
-        "less one per engine's scheduler); 0 = those registered when this one starts. Only "
-        "used when num_workers is 0", sglang=True, lo=0,
+        "less two per engine); 0 = those registered when this one starts, plus this one "
+        "(SGLang's adapter passes the server's ranks on the node). Only used when num_workers "
+        "is 0", sglang=True, lo=0,
         hi=MAX_WORKERS, metavar="N")
     host_pool_pages: int = setting(1024, "host pool slots", lo=1)
     prefetch_policy: str = setting(
