@@ -33,7 +33,7 @@ from shm import PageGeometry
 from workers import naming
 from workers import status as st
 from workers.control import PIN_SLOTS, pin_slots
-from workers.store import open_store
+from workers.stores import open_store
 
 from .config import POLICIES, EngineConfig
 from .discovery import Discovery

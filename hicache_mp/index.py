@@ -6,7 +6,8 @@ backups. The scan also removes temp files whose writer is gone
 (workers.tmpfiles says when that is known), so a crashed writer leaves
 nothing behind. Must not read page contents.
 """
-from workers.store import PageStore, open_store
+from workers.store import PageStore
+from workers.stores import open_store
 
 
 class StoreIndex:

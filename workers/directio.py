@@ -6,9 +6,8 @@ files itself or know about rings: `workers.worker` does the I/O.
 
 Why O_DIRECT: a store larger than RAM is read cold from NVMe or a network
 filesystem. Buffered I/O then costs one extra copy per page (device -> page
-cache -> host pool) on a core that one worker already saturates (DESIGN.md §1:
-one core copies 4-5 GB/s), and it fills the page cache with pages that the
-host pool already holds. With O_DIRECT the device DMAs straight into the pool
+cache -> host pool) on a core that one worker already saturates, and it
+fills the page cache with pages that the host pool already holds. With O_DIRECT the device DMAs straight into the pool
 slot.
 
 The rule (Linux, every filesystem that accepts O_DIRECT): each iovec's address
@@ -30,6 +29,8 @@ import errno
 import mmap
 import os
 import secrets
+
+from workers import naming
 
 ALIGN = 4096
 MODES = ("auto", "on", "off")
@@ -140,11 +141,10 @@ def probe_read(directory: str, why: str) -> tuple[bool | None, str]:
     (True, reason) if that worked, (False, reason) if the filesystem refused,
     (None, reason) if there is no page to try (nothing to read either).
     """
-    from workers.filestore import fanout_dirs  # it imports this module
-    for sub in fanout_dirs(directory):
+    for sub in naming.fanout_dirs(directory):
         try:
             with os.scandir(sub) as it:
-                name = next((e.path for e in it if e.name.endswith(".page")
+                name = next((e.path for e in it if e.name.endswith(naming.PAGE_SUFFIX)
                              and e.is_file(follow_symlinks=False)), None)
         except OSError:
             continue

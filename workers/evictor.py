@@ -73,7 +73,7 @@ from workers import evictlease, inflight
 from workers.child import PARENT_CHECK_S, Child, ParentWatch, child_main, orphan_cleanup, \
     wait_ready
 from workers.records import KIND_EVICT
-from workers.store import open_store
+from workers.stores import open_store
 from workers.control import EVICTOR_PID, MAX_BYTES, MIN_FREE, STOP, STORE_BASE, WRITTEN, \
     WRITTEN_AT_SCAN, Control, pin_slot
 

@@ -40,9 +40,8 @@ import time
 
 from workers import directio, naming, pagefile, status, tmpfiles
 from workers.fileio import pieces, preadv_full, pwritev_full
-from workers.store import Page, PageStore, Scan, StoreIO, free_bytes
+from workers.store import DIR_MODE, Page, PageStore, Scan, StoreIO, free_bytes
 
-DIR_MODE = 0o700
 TOUCH_INTERVAL_S = 1.0
 _TOUCH_MEMORY = 1 << 16  # digests remembered for that rate limit, then forgotten
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -292,7 +291,7 @@ class FileStore(PageStore):
         removed (workers.tmpfiles says which)."""
         pages, temps, total, reaped = [], [], 0, 0
         now = time.time()
-        for sub in fanout_dirs(self.root):
+        for sub in naming.fanout_dirs(self.root):
             try:
                 it = os.scandir(sub)
             except OSError:
@@ -338,15 +337,3 @@ def _subdir(parent: int, name: str, create: bool) -> int:
         pass
     return os.open(name, _SUB_FLAGS, dir_fd=parent)
 
-
-def fanout_dirs(root: str) -> list[str]:
-    """The second-level fan-out directories under `root` (where page files live)."""
-    return [sub for top in _two_char_dirs(root) for sub in _two_char_dirs(top)]
-
-
-def _two_char_dirs(path: str) -> list[str]:
-    try:
-        with os.scandir(path) as it:
-            return [e.path for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
-    except OSError:
-        return []

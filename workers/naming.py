@@ -2,8 +2,9 @@
 
 Owns the one rule that turns a caller's key into a file path: the path comes
 from sha256(namespace, key), fanned out over two directory levels, so a key is
-never used as a path (no traversal) and no directory holds millions of entries.
-Must not open files.
+never used as a path (no traversal) and no directory holds millions of entries;
+and where that rule puts page files (`fanout_dirs`, the directories a scan
+walks). Must not open or judge page files.
 """
 import hashlib
 import os
@@ -102,3 +103,16 @@ def quarantine_name(name: str, cause: str, pid: int, serial: int) -> str:
     """The name a damaged page file gets in QUARANTINE_DIR: it never ends in
     .page, and a cause, pid and serial keep every moved file apart."""
     return f"{name}.{cause}.{pid}.{serial}"
+
+
+def fanout_dirs(root: str) -> list[str]:
+    """The second-level fan-out directories under `root` (where page files live)."""
+    return [sub for top in _two_char_dirs(root) for sub in _two_char_dirs(top)]
+
+
+def _two_char_dirs(path: str) -> list[str]:
+    try:
+        with os.scandir(path) as it:
+            return [e.path for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []

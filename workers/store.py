@@ -1,10 +1,11 @@
 """The page-store seam: what a worker, the evictor, the index and clear() may ask of a store.
 
 Owns the interface (`PageStore`), the settings a store's I/O follows
-(`StoreIO`), the free-space helper, and `open_store`, the one factory that
-turns a `storage_dir` spec into a store. Must not know about rings, ops, the
-pool layout or torch: a store moves one page between iovecs and its medium
-and says how that went, as a status code (workers.status).
+(`StoreIO`), the free-space helper, the `storage_dir` spec's syntax and the
+mode of a store's directories. Must not know about rings, ops, the pool
+layout or torch, nor which stores exist (workers.stores, the factory, names
+them and imports this module): a store moves one page between iovecs and its
+medium and says how that went, as a status code (workers.status).
 
 The calls, all synchronous and safe from several threads of one process:
 
@@ -25,13 +26,15 @@ worker may pause it while reads wait (a store that writes whole ignores it). An 
 (io_uring) would add a submit/reap pair beside read/write; the worker's
 `serve` is already split into a start and a completion half for it.
 
-Registration: `register(matches, factory)`; the first factory whose
-`matches(spec)` is true builds the store (`FileStore` for a directory is the
-fallback). Striping over several directories is one such line.
+A store is opened by `workers.stores.open_store(spec, io)`.
 """
 import os
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
+
+# Every directory a store makes (its roots, fan-out levels, quarantine):
+# owner-only, as the page files in them are.
+DIR_MODE = 0o700
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ class PageStore:
     def create(self) -> None:
         """Make the store's directories (owner-only) if they are missing."""
         for root in self.roots:
-            os.makedirs(root, mode=0o700, exist_ok=True)
+            os.makedirs(root, mode=DIR_MODE, exist_ok=True)
 
 
 def free_bytes(path: str) -> int | None:
@@ -117,20 +120,3 @@ def normalize_spec(spec: str) -> str:
         raise ValueError(f"storage_dir {spec!r} names a directory twice")
     return ",".join(dirs)
 
-
-_FACTORIES: list[tuple[Callable[[str], bool], Callable]] = []
-
-
-def register(matches: Callable[[str], bool], factory: Callable) -> None:
-    _FACTORIES.append((matches, factory))
-
-
-def open_store(spec: str, io: StoreIO | None = None) -> PageStore:
-    """The store a `storage_dir` spec names, doing I/O as `io` says."""
-    from workers import stores  # noqa: F401  (the registrations)
-    from workers.filestore import FileStore
-    io = io or StoreIO()
-    for matches, factory in _FACTORIES:
-        if matches(spec):
-            return factory(spec, io)
-    return FileStore(spec, io)

@@ -7,7 +7,7 @@ Imports no torch: os, mmap, numpy and posix_ipc only.
 
 Owns the loop over the rings: which record next, the cancel check, the
 stats and the completion. The page I/O itself goes through the page store
-(workers.store: `open_store(storage_dir)`), the only thing here that touches
+(workers.stores: `open_store(storage_dir)`), the only thing here that touches
 files. Must not decide policy: it does what the records say and reports a
 status for each.
 
@@ -77,7 +77,8 @@ from workers.lanes import DEFER_POLL_S, Lane, WriteLane, run_lanes
 from workers.records import KIND_PROBE, KIND_READ, KIND_WRITE
 from workers.share import WriteShare
 from workers.spec import WorkerSpec
-from workers.store import StoreIO, open_store
+from workers.store import StoreIO
+from workers.stores import open_store
 from workers.control import BUSY_NS, BYTES, INFLIGHT, INFLIGHT_KEY, MAX_BYTES, MIN_FREE, PAGES, \
     POSTED_NS, POSTED_SEQ, READS_DONE, READS_SUBMITTED, READY_PID, WAITERS, WAKE_AT, \
     WAKE_SEQ, WRITTEN, Control, write_key

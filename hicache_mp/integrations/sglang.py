@@ -61,7 +61,7 @@ import torch
 from shm import PageGeometry
 from workers import naming
 from workers import status as st
-from workers.store import open_store
+from workers.stores import open_store
 
 from .. import config
 from ..config import EngineConfig, parse_value, setting, settings, sglang_keys, sglang_options

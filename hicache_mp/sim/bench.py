@@ -21,7 +21,7 @@ import numpy as np
 
 from hicache_mp import EngineConfig, PageGeometry, make_engine
 from workers import naming
-from workers.store import open_store
+from workers.stores import open_store
 
 from .instant import InstantStore
 from .pagebytes import PageBytes

@@ -23,7 +23,7 @@ import numpy as np
 
 from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine
 from workers import naming
-from workers.store import open_store
+from workers.stores import open_store
 
 TINY = dict(num_layers=3, num_kv_heads=2, head_dim=16, page_size=4)       # 1.5 KiB pages
 MID = dict(num_layers=4, num_kv_heads=4, head_dim=64, page_size=16)     # 64 KiB pages

@@ -16,7 +16,7 @@ from faultkit import MID, content, make, put, settle
 from workers import evictlease
 from workers.evictlease import LEASE_NAME
 from workers.evictor import headroom_bytes
-from workers.store import open_store
+from workers.stores import open_store
 
 FILE = 4096 + 65536  # one MID page file
 LIMIT = 64 * FILE

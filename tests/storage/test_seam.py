@@ -4,7 +4,7 @@ import os
 import re
 
 from workers.filestore import FileStore
-from workers.store import open_store
+from workers.stores import open_store
 from workers.stripestore import StripedStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
