@@ -4,12 +4,15 @@ Owns the scheduler-facing API (DESIGN.md §4). Must not do page I/O itself:
 worker processes (package `workers`) move the bytes.
 """
 from shm import PageGeometry
+from workers.pool import BrokenPool
 
 from .config import EngineConfig
+from .core import EngineClosed, EngineForked
 from .engine import PrefetchEngine
 from .ops import Op
 
-__all__ = ["PrefetchEngine", "EngineConfig", "PageGeometry", "Op", "make_engine"]
+__all__ = ["PrefetchEngine", "EngineConfig", "PageGeometry", "Op", "make_engine",
+           "BrokenPool", "EngineClosed", "EngineForked"]
 __version__ = "0.1.0"
 
 

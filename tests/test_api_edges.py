@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from hicache_mp import EngineConfig
-from hicache_mp.core import EngineClosed
+from hicache_mp import EngineClosed, EngineConfig
 
 from helpers import engine, fill, geometry, random_pages
 

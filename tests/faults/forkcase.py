@@ -16,7 +16,7 @@ import sys
 
 from faultkit import backup, content, fingerprint, make, prefetch, wrong_pages
 
-from hicache_mp.core import EngineForked
+from hicache_mp import EngineForked
 
 store, case = sys.argv[1], sys.argv[2]
 e = make(store, pages=16, workers=2)

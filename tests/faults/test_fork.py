@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from hicache_mp.core import EngineClosed, EngineForked
+from hicache_mp import EngineClosed, EngineForked
 
 from faultkit import HERE, make
 

@@ -15,8 +15,9 @@ import time
 import numpy as np
 import pytest
 
+from hicache_mp import BrokenPool
 from workers.control import READY_PID
-from workers.pool import MAX_START_FAILURES, BrokenPool
+from workers.pool import MAX_START_FAILURES
 
 from faultkit import backup, content, fingerprint, make, prefetch, wrong_pages
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from hicache_mp.core import EngineClosed
+from hicache_mp import EngineClosed
 
 from faultkit import BIG, content, get, make, put
 

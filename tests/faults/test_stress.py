@@ -22,7 +22,7 @@ import numpy as np
 
 from faultkit import content, fingerprint, get, make, put
 
-from hicache_mp.core import EngineForked
+from hicache_mp import EngineForked
 
 THREADS = 8
 SLOTS = 48          # shared by every thread: overlaps are the point
