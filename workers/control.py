@@ -33,19 +33,17 @@ its scan met that write's result. INFLIGHT_KEY names that write
 the evictor can tell the write's own temp file and page file in its scan
 and count the write once (workers/evictor.py: counting a write once).
 
-Reads outstanding: READS_SUBMITTED - READS_DONE, summed over workers, is the
-number of read pages the engine has handed out and no worker has finished.
-A worker with a write to do and no read of its own waiting defers the write
-while that sum is above zero (workers.worker: reads first across the whole
-engine, not only within one worker's rings). The engine adds to
-READS_SUBMITTED before it pushes, so READS_DONE never passes it: a racing
-reader may see a read outstanding a moment before it is queued (a write
-waits a moment longer), never a negative count. A dead worker's pair is
-zeroed before its replacement starts, so its lost reads do not stay
-outstanding. A worker whose current page I/O started more than SLOW_IO_S ago
-(HEARTBEAT) is not counted either: a read stuck in the kernel (a hung network
-filesystem) or in a stopped process must not hold every other worker's
-backups back, and the reads queued behind it will not go sooner for that.
+Reads outstanding: READS_SUBMITTED - READS_DONE of a worker is the number of
+read pages the engine has handed it and it has not finished. A worker with a
+write to do and no read of its own waiting defers the write while another
+worker that makes progress has reads outstanding (workers.share: reads first
+across the whole engine, not only within one worker's rings; a worker whose
+I/O is stuck, or that takes none of its queued reads, does not count). The
+engine adds to READS_SUBMITTED before it pushes, so READS_DONE never passes
+it: a racing reader may see a read outstanding a moment before it is queued
+(a write waits a moment longer), never a negative count. A dead worker's
+pair is zeroed before its replacement starts, so its lost reads do not stay
+outstanding.
 
 Wake-up target: while threads wait on ops, WAKE_AT is the lowest sum of
 every worker's PAGES at which one of those ops is surely done (the engine's
@@ -81,7 +79,6 @@ from shm import Segment
 
 MAX_WORKERS = 256
 MAX_LANES = 32   # io_depth bound: one heartbeat word per lane
-SLOW_IO_S = 0.5  # a page I/O older than this no longer holds back other workers' writes
 CANCEL_SLOTS = 4096
 PIN_SLOTS = 1 << 16
 _WORKER_FIELDS = 9
@@ -132,15 +129,6 @@ class Control:
 
     def cancel(self, op_id: int) -> None:
         self.cancel_table[op_id % CANCEL_SLOTS] = op_id
-
-    def reads_outstanding(self, num_workers: int) -> bool:
-        """True if a read page handed to a worker that is making progress is not
-        finished (module doc: a worker stuck in one I/O does not count)."""
-        w = self.workers[:num_workers]
-        waiting = w[:, READS_SUBMITTED].view(np.int64) > w[:, READS_DONE].view(np.int64)
-        if not waiting.any():
-            return False
-        return bool((waiting & (self.stalled(num_workers, SLOW_IO_S) == 0)).any())
 
     def stalled(self, num_workers: int, limit_s: float, now_ns: int | None = None) -> np.ndarray:
         """Per worker: how long its oldest page I/O has run (s) if over `limit_s`, else 0."""

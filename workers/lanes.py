@@ -16,18 +16,16 @@ Measured on the H200 box (scripts/bench_storage.py --io-depth): see
 docs/decisions.md entry 19 for the default that gave and why.
 
 The rules the inline loop keeps still hold:
-  - reads first: the dispatcher picks one record at a time, by the same
-    rule (`Worker.write_turn`: while reads wait, a write only on the
-    worker's write credit, workers.share; with none waiting anywhere,
-    freely), and only when a lane is free, so a choice is never made early;
-    the lane that finishes a write charges it (`Worker.complete`) before
-    the dispatcher may pick the next one;
+  - reads first: the dispatcher picks one record at a time, asking the
+    worker's write scheduler as the inline loop does (workers.share:
+    `WriteScheduler.turn`), and only when a lane is free, so a choice is
+    never made early; the lane that finishes a write reports it
+    (`Worker.complete`) before the dispatcher may pick the next one;
   - at most one write in flight per worker: a read never waits behind more
     than the writes already running, reads and writes run side by side, and
     the capacity reservation (one INFLIGHT word per worker) stays exact;
-  - a buffered write pauses between its pieces while reads wait and the
-    credit does not cover the next piece (each lane's `gate`,
-    `Worker.write_gate`); O_DIRECT writes go whole.
+  - a buffered write pauses between its pieces when the scheduler says so
+    (each lane's `gate`, `WriteScheduler.gate_for`); O_DIRECT writes go whole.
 A lane that raises ends the whole worker process (as the inline loop
 would): the engine then fails that worker's pages cleanly, rather than one
 record silently never completing.
@@ -44,10 +42,7 @@ from shm.ring import RECORD_DTYPE
 from workers import directio, pagefile
 from workers.child import PARENT_CHECK_S
 from workers.records import KIND_WRITE
-
-# How often a worker with a deferred write looks again (workers.worker uses it
-# too): no one posts its wake semaphore when another worker's reads finish.
-DEFER_POLL_S = 0.002
+from workers.share import DEFER_POLL_S
 
 
 class Lane:
@@ -76,13 +71,10 @@ class Lane:
 
 
 def writing_lane(worker, slot: int) -> Lane:
-    """A lane that may run writes: buffered ones pause at its gate
-    (Worker.write_gate); O_DIRECT ones have none, as such a write waits on the
-    device, not on a core, so it takes nothing from reads but device time,
-    which reads-first across workers already rations before it starts."""
+    """A lane that may run writes, with the gate the worker's write scheduler
+    hands it (None: its writes go whole)."""
     lane = Lane(worker.direct, slot)
-    if worker.gated:
-        lane.gate = lambda: worker.write_gate(lane)
+    lane.gate = worker.writes.gate_for(lane)
     return lane
 
 
@@ -135,11 +127,11 @@ class _Dispatch:
         """The next record by the inline loop's priority rule, or None."""
         w = self.w
         if not self.writing and w.write_ring.pending():
-            paid = w.write_turn(bool(w.read_ring.pending()))
+            paid = w.writes.turn(bool(w.read_ring.pending()))
             if paid is not None:
                 recs = w.write_ring.pop(1)
                 if len(recs):
-                    w.write_paid = paid
+                    w.writes.taken(paid)
                     self.writing = True
                     return recs[0]
         recs = w.read_ring.pop(1)

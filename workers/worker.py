@@ -16,26 +16,16 @@ Two submit rings per worker: `read_ring` (prefetch) and `write_ring`
 backup is not. Writes are taken one at a time, on a thread of their own (at
 io_depth 1 the write lane, workers.lanes.WriteLane; deeper, one of the
 lanes): a page write can take the time of twenty page-cache reads, and a
-read that arrives while it is in flight is served at once, beside it. A
-buffered write also pauses between its 1 MiB pieces while reads wait and
-its credit does not cover the next piece (`write_gate`): a write into the
-page cache is a copy on a core, so one that started just before a prefetch
-came would otherwise take that core from the reads until it ended. Reads come first across the engine too: a
-worker with no read of its own treats a write as taken from reads while any
-worker still has reads outstanding (workers.control), because on one device
-every byte written is bandwidth a read does not get (figures:
-docs/decisions.md 20). While reads wait (here or elsewhere), a write starts
-only if this worker's write credit covers it: writes then take at most
-`write_share` of its I/O time (workers.share: by time, not by page count,
-since one write can cost the time of twenty reads). With no read waiting
-anywhere writes go freely. Writes are never starved: the credit grows with
-every read served while they wait, and a write deferred for
-WRITE_DEFER_MAX_S by reads at other workers goes whatever those reads.
+read that arrives while it is in flight is served at once, beside it. When
+a write may start, and when a buffered one paused between its pieces may go
+on, is the write scheduler's to say (workers.share: `WriteScheduler`, reads
+first by time, here and across every worker that makes progress); this loop
+only asks it and reports each page to it.
 
 Loop, with one exit path:
   1. pop up to `batch` records from the read ring; do each (after each,
      start one queued write if none is in flight and the credit covers it);
-  2. else, if it is a write's turn (`write_turn`) and no write is in
+  2. else, if it is a write's turn (`WriteScheduler.turn`) and no write is in
      flight, pop one record from the write ring and start it on the write
      lane (which posts the wake semaphore when it is done);
   3. if neither had work: sleep on the wake semaphore (timeout: parent
@@ -73,20 +63,15 @@ from shm.hostpool import HostPool
 from shm.partpool import PartPool
 from workers import pagefile, status
 from workers.child import PARENT_CHECK_S, ParentWatch, child_main, orphan_cleanup
-from workers.lanes import DEFER_POLL_S, Lane, WriteLane, run_lanes
+from workers.lanes import Lane, WriteLane, run_lanes
 from workers.records import KIND_PROBE, KIND_READ, KIND_WRITE
-from workers.share import WriteShare
+from workers.share import DEFER_POLL_S, WriteScheduler
 from workers.spec import WorkerSpec
 from workers.store import StoreIO
 from workers.stores import open_store
 from workers.control import BUSY_NS, BYTES, INFLIGHT, INFLIGHT_KEY, MAX_BYTES, MIN_FREE, PAGES, \
-    POSTED_NS, POSTED_SEQ, READS_DONE, READS_SUBMITTED, READY_PID, WAITERS, WAKE_AT, \
-    WAKE_SEQ, WRITTEN, Control, write_key
-from workers.fileio import WRITE_PIECE_BYTES
-
-# A write deferred for reads at other workers goes after this long anyway: the
-# backstop against starving backups (their host pages stay pinned meanwhile).
-WRITE_DEFER_MAX_S = 0.5
+    POSTED_NS, POSTED_SEQ, READS_DONE, READY_PID, WAITERS, WAKE_AT, WAKE_SEQ, WRITTEN, \
+    Control, write_key
 
 
 class Worker:
@@ -115,7 +100,6 @@ class Worker:
         self.read_ring = Ring(spec.read_ring, spec.ring_capacity, create=False)
         self.write_ring = Ring(spec.write_ring, spec.ring_capacity, create=False)
         self.completion = Ring(spec.completion_ring, spec.completion_capacity, create=False)
-        self.share = WriteShare(spec.write_share, self.payload_len)
         self.wake = WakeSemaphore(spec.wake_sem, create=False)
         self.done = WakeSemaphore(spec.done_sem, create=False)
         self.control = Control(spec.control, create=False)
@@ -128,16 +112,10 @@ class Worker:
         self.evict_wake = WakeSemaphore(spec.evict_sem, create=False) if spec.evict_sem else None
         self.headroom = spec.evict_headroom
         self.num_workers = spec.num_workers
-        # The write in flight (one at most): is its current piece charged to the
-        # credit (reads wait), when did that piece start, I/O time of the pieces
-        # before it. Buffered writes pause between pieces (write_gate).
-        self.write_paid = False
-        self.piece_t0 = 0
-        self.pieces_ns = 0
-        self.gated = not self.direct
-        self.write_paused = False
-        self.nudge = threading.Event()  # a read finished while a write was paused
-        self.deferred_since = None  # monotonic time a waiting write was first deferred
+        # Buffered writes pause between their pieces for reads; O_DIRECT ones go whole.
+        self.writes = WriteScheduler(self.control, self.index, spec.num_workers,
+                                     spec.write_share, self.payload_len, self.file_bytes,
+                                     gated=not self.direct, stop=self._stopping)
         self.pid = os.getpid()
         # One producer at a time on the completion ring (SPSC), and the stats
         # words are read-modify-write: lane threads take this for both.
@@ -154,6 +132,9 @@ class Worker:
     def parent_gone(self) -> bool:
         return self.parent.gone()
 
+    def _stopping(self) -> bool:
+        return self.control.stopping() or self.parent_gone()
+
     def _run_inline(self) -> bool:
         """The loop of the module docstring, reads one at a time on this thread
         and the one write in flight on a `WriteLane`; True if orphaned."""
@@ -166,11 +147,11 @@ class Worker:
                 if len(records):
                     for rec in records:
                         self.serve(rec, self.lane)
-                        if not writer.busy and self.write_ring.pending() and self.write_turn(True):
+                        if not writer.busy and self.write_ring.pending() and self.writes.turn(True):
                             self._start_write(writer, True)  # reads first, writes never starved
                     continue
                 if not writer.busy and self.write_ring.pending():
-                    paid = self.write_turn(False)
+                    paid = self.writes.turn(False)
                     if paid is None:
                         self.wake.wait(DEFER_POLL_S)
                     else:
@@ -182,36 +163,10 @@ class Worker:
         finally:
             writer.close()
 
-    def write_turn(self, reads_here: bool, part: float = 1.0) -> bool | None:
-        """May a queued write start now (or, `part` < 1, the next piece of a
-        paused one go on)? None: not yet; True: yes, on credit (reads wait: it
-        is charged); False: yes, free.
-
-        Free when no read waits here (`reads_here`) nor is outstanding at any
-        worker. Else on credit (workers.share); with no read of its own a
-        write deferred for WRITE_DEFER_MAX_S goes anyway (reads stuck at
-        another worker must not hold backups for ever).
-        """
-        if not reads_here and not self.control.reads_outstanding(self.num_workers):
-            self.deferred_since = None
-            return False
-        if self.share.may_write(part):
-            self.deferred_since = None
-            return True
-        if reads_here:
-            return None  # the reads served here earn the credit
-        now = time.monotonic()
-        if self.deferred_since is None:
-            self.deferred_since = now
-        if now - self.deferred_since >= WRITE_DEFER_MAX_S:
-            self.deferred_since = None
-            return False
-        return None
-
     def _start_write(self, writer: WriteLane, paid: bool) -> None:
         recs = self.write_ring.pop(1)
         if len(recs):
-            self.write_paid = paid
+            self.writes.taken(paid)
             writer.start(recs[0])
 
     def serve(self, rec, lane: Lane) -> None:
@@ -219,7 +174,7 @@ class Worker:
         self.heartbeat[lane.slot] = time.monotonic_ns()  # the engine's watchdog looks at it
         lane.paused_ns = 0
         if rec["kind"] == KIND_WRITE:
-            self.piece_t0, self.pieces_ns = t0, 0
+            self.writes.started(t0)
         if rec["kind"] == KIND_PROBE:  # belongs to no op: never "cancelled"
             code, err = self._probe(rec["digest"].tobytes()), 0
         elif self.control.cancelled(int(rec["op_id"])):
@@ -229,42 +184,6 @@ class Worker:
         io_ns = time.perf_counter_ns() - t0 - lane.paused_ns
         self.heartbeat[lane.slot] = 0
         self.complete(rec, lane, code, err, io_ns)
-
-    def write_gate(self, lane: Lane) -> None:
-        """Between two pieces of a buffered write (the store calls it, through
-        `lane.gate`): charge the piece just written if reads waited, then let
-        the next go only when `write_turn` would let a write of that size
-        start. Until then the write is paused: its thread sleeps (it takes no
-        core from the reads, and no device time), woken by each read done
-        here or every DEFER_POLL_S (reads elsewhere end unannounced). A pause
-        is not I/O: it counts in no io_ns and shows in no heartbeat, so the
-        watchdog and reads-first's stuck-worker rule never see a paused write
-        as a stuck one. A stop or a gone parent lets the write finish."""
-        now = time.perf_counter_ns()
-        piece = now - self.piece_t0
-        self.pieces_ns += piece
-        if self.write_paid:
-            self.share.charge(piece)
-        paid = self._piece_turn()
-        if paid is None:
-            self.heartbeat[lane.slot] = 0
-            self.write_paused = True
-            try:
-                while paid is None and not self.control.stopping() and not self.parent_gone():
-                    self.nudge.wait(DEFER_POLL_S)
-                    self.nudge.clear()
-                    paid = self._piece_turn()
-            finally:
-                self.write_paused = False
-            self.heartbeat[lane.slot] = time.monotonic_ns()
-        self.write_paid = bool(paid)
-        t = time.perf_counter_ns()
-        lane.paused_ns += t - now
-        self.piece_t0 = t
-
-    def _piece_turn(self) -> bool | None:
-        reads_here = int(self.stats[READS_SUBMITTED]) > int(self.stats[READS_DONE])
-        return self.write_turn(reads_here, min(1.0, WRITE_PIECE_BYTES / self.file_bytes))
 
     def start(self, rec, lane: Lane) -> tuple[int, int]:
         """Do one record's page I/O on the store: (status, errno)."""
@@ -293,10 +212,9 @@ class Worker:
         out["flags"][0] = err
         out["io_ns"][0] = io_ns
         if rec["kind"] == KIND_WRITE:  # settled before anyone sees the write done
-            last = io_ns - self.pieces_ns  # the pieces before it were charged as they ended
-            self.share.write_done(io_ns, last if self.write_paid else 0, code == status.OK)
+            self.writes.write_done(io_ns, code == status.OK)
         else:
-            self.share.read_done(io_ns, self.write_paused or bool(self.write_ring.pending()))
+            self.writes.read_done(io_ns, bool(self.write_ring.pending()))
         with self.push_lock:
             # Counted before the completion is pushed, so metrics() never shows
             # fewer pages than the engine has already seen complete. With lanes
@@ -306,8 +224,7 @@ class Worker:
             self.stats[BYTES] += nbytes
             if rec["kind"] == KIND_READ:
                 self.stats[READS_DONE] += 1
-                if self.write_paused:
-                    self.nudge.set()  # after READS_DONE: the gate may see reads done here
+                self.writes.read_counted()  # after READS_DONE: a paused write sees it
             while self.completion.push(out) == 0:
                 # The scheduler has not drained completions yet; it will. Never drop one.
                 if self.parent_gone() or self.control.stopping():
