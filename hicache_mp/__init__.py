@@ -23,9 +23,9 @@ def make_engine(backend: str, config: EngineConfig, geometry: PageGeometry, **op
     if backend == "mp":
         return PrefetchEngine(config, geometry)
     if backend == "file":
-        from .baseline import ThreadedFileEngine
+        from .bench.baseline import ThreadedFileEngine
         return ThreadedFileEngine(config, geometry)
     if backend == "fast_file":
-        from .fast_file import FastFileEngine
+        from .bench.fast_file import FastFileEngine
         return FastFileEngine(config, geometry, **options)
     raise ValueError(f"unknown storage backend {backend!r}; choose 'mp', 'file' or 'fast_file'")

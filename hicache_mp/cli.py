@@ -3,7 +3,7 @@ backend) and `import-sglang` (convert an SGLang `file` store;
 hicache_mp.integrations.sglang_import).
 
 Owns argv parsing, progress and result printing, and writing `--json` /
-`--plot` files. Must not hold benchmark logic: `hicache_mp.sim.bench` runs it.
+`--plot` files. Must not hold benchmark logic: `hicache_mp.bench.sim.bench` runs it.
 
 `hicache-mp bench` warms one page store, then runs the reference scheduler
 (a busy Python loop modelled on SGLang's) over it once per backend:
@@ -78,6 +78,17 @@ import json
 import os
 import sys
 
+from shm import PageGeometry
+from workers.store import split_spec
+
+from .bench.sim.bench import (ALL_RUNS, SLEEP0, Bench, BenchConfig, busy_machine_note,
+                              fast_file_label, merge_reports, table_rows)
+from .bench.sim.plot import plot_report
+from .bench.sim.summary import format_comparison, format_summary, format_verdict
+from .config import add_engine_flags, engine_options
+from .integrations.sglang_import import import_sglang_store, shards_for
+from .integrations.sglang_layouts import RAW_LAYOUTS
+
 BACKEND_CHOICES = ("all", "none", "file", "fast_file", "mp")
 LAYOUTS = ("page_first", "layer_first")
 
@@ -148,7 +159,6 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
                    help="load prefetched pages into a device KV cache through DeviceLoader "
                         "before a request's first prefill chunk (file and mp runs): auto = "
                         "when CUDA is available; on = also on the CPU fallback; off = never")
-    from hicache_mp.config import add_engine_flags
     add_engine_flags(p)  # every EngineConfig setting that declares a flag (hicache_mp.config)
     p.set_defaults(func=cmd_bench)
     return p
@@ -165,7 +175,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 # --- import-sglang (logic: hicache_mp.integrations.sglang_import) ---------------
 def _import_sglang_parser(sub) -> argparse.ArgumentParser:
-    from hicache_mp.integrations.sglang_layouts import RAW_LAYOUTS
     p = sub.add_parser(
         "import-sglang", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="convert an SGLang 'file' HiCache store into a hicache_mp store",
@@ -202,9 +211,6 @@ def _import_sglang_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_import_sglang(args, argv=None) -> int:
-    from shm import PageGeometry
-    from hicache_mp.integrations.sglang_import import import_sglang_store, shards_for
-
     geometry = PageGeometry(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
                             head_dim=args.head_dim, page_size=args.page_size, dtype=args.dtype,
                             mla=args.mla)
@@ -221,8 +227,6 @@ def cmd_import_sglang(args, argv=None) -> int:
 
 def bench_config(args):
     """BenchConfig from parsed `bench` arguments."""
-    from hicache_mp.config import engine_options
-    from hicache_mp.sim.bench import ALL_RUNS, BenchConfig, fast_file_label
     backend = args.hicache_storage_backend
     fast_files = tuple(fast_file_label(n) for n in args.fast_file_read_workers)
     if args.fast_file_write_workers < 1:
@@ -240,7 +244,6 @@ def bench_config(args):
     if args.num_requests < 1:
         raise SystemExit("--num-requests must be at least 1")
     if args.scheduler_idle_sleep0:
-        from hicache_mp.sim.bench import SLEEP0
         runs = tuple(r if r == "none" else r + SLEEP0 for r in runs)
     options = engine_options(args)
     # BenchConfig keeps these three apart: they name its runs in the report.
@@ -256,9 +259,6 @@ def bench_config(args):
 
 
 def cmd_bench(args, argv=None) -> int:
-    from hicache_mp.sim.bench import Bench
-    from hicache_mp.sim.summary import format_summary
-
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -267,7 +267,6 @@ def cmd_bench(args, argv=None) -> int:
                   file=sys.stderr)
             return 2
     if args.merge:
-        from hicache_mp.sim.bench import merge_reports
         reports = []
         for path in args.merge:
             with open(path) as f:
@@ -276,7 +275,6 @@ def cmd_bench(args, argv=None) -> int:
         report["command"] = ["hicache-mp", "bench"] + list(argv or [])
         return _conclude(report, args)
     if args.storage_dir is not None:
-        from workers.store import split_spec
         try:  # one clear line now, rather than a traceback from deep inside the warm-up
             for directory in split_spec(args.storage_dir):  # one, or a striped list
                 os.makedirs(directory, exist_ok=True)
@@ -301,8 +299,6 @@ def cmd_bench(args, argv=None) -> int:
 
 def _conclude(report: dict, args) -> int:
     """The comparison table, the verdict, the JSON and the plot of a report."""
-    from hicache_mp.sim.bench import busy_machine_note, table_rows
-    from hicache_mp.sim.summary import format_comparison, format_verdict
     rows = table_rows(report["runs"])
     base = "none" if "none" in rows else next(iter(rows))
     print(f"\nComparison (TTFT/base: mean TTFT over '{base}')")
@@ -320,7 +316,6 @@ def _conclude(report: dict, args) -> int:
             json.dump(report, f, indent=1)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot:
-        from hicache_mp.sim.plot import plot_report
         plot_report(report, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     bad = any(r["verify"]["failures"] for r in report["runs"].values())

@@ -5,7 +5,7 @@ The same code path as `hicache-mp bench` (this calls its entry point with the
 arguments given; without --quick that is full scale: 32 layers x 8 KV heads x
 128 dims, bf16, 32 requests of mean 19.7k tokens, 85.6 % cached). The store
 for all 32 requests needs ~82 GB of disk; `--num-requests N` fits a smaller
-one. Must not hold benchmark logic: it lives in hicache_mp.sim.
+one. Must not hold benchmark logic: it lives in hicache_mp.bench.sim.
 
     python scripts/bench_long_context.py --num-requests 20 --json full.json
     python scripts/bench_long_context.py --help      # every flag, with defaults

@@ -6,7 +6,7 @@ each prefetch op's queue wait / I/O time / drain / time until the scheduler saw
 it (the counterpart of the alloc/io/copy lines in SGLang's log), the write-back
 ops' rates, each worker's busy fraction, and writes a Chrome-trace JSON
 (chrome://tracing or https://ui.perfetto.dev) of batches, ops and page
-landings. Must not hold logic: hicache_mp.sim.profile builds the figures.
+landings. Must not hold logic: hicache_mp.bench.sim.profile builds the figures.
 With --device-load (default auto: when CUDA is available) each op's pages also
 go to a device KV cache through DeviceLoader, and `h2d_ms` shows the time from
 the op's last page landing until all its pages were on the device.
@@ -18,8 +18,8 @@ import argparse
 import json
 import sys
 
-from hicache_mp.sim.bench import Bench, BenchConfig
-from hicache_mp.sim.profile import chrome_trace, format_breakdown, op_breakdown, phase_stats
+from hicache_mp.bench.sim.bench import Bench, BenchConfig
+from hicache_mp.bench.sim.profile import chrome_trace, format_breakdown, op_breakdown, phase_stats
 
 
 def parse(argv):

@@ -11,10 +11,10 @@ import os
 import pytest
 import torch
 
-from hicache_mp.sim.bench import ALL_RUNS, Bench, BenchConfig, table_rows
-from hicache_mp.sim.profile import chrome_trace, format_breakdown, op_breakdown
-from hicache_mp.sim.summary import format_comparison, format_summary
-from hicache_mp.sim.workload import HIT_RATE, describe
+from hicache_mp.bench.sim.bench import ALL_RUNS, Bench, BenchConfig, table_rows
+from hicache_mp.bench.sim.profile import chrome_trace, format_breakdown, op_breakdown
+from hicache_mp.bench.sim.summary import format_comparison, format_summary
+from hicache_mp.bench.sim.workload import HIT_RATE, describe
 from shm.names import SHM_DIR, owner_pid
 from workers import naming, pagefile
 
@@ -173,7 +173,7 @@ def test_stamp_marks_a_slot_in_both_layouts(tmp_path):
     import hashlib
 
     from hicache_mp import EngineConfig, PageGeometry, make_engine
-    from hicache_mp.sim.pagebytes import PageBytes
+    from hicache_mp.bench.sim.pagebytes import PageBytes
     for layout in ("page_first", "layer_first"):
         g = PageGeometry(2, 2, 32, 16, layout=layout)
         with make_engine("file", EngineConfig(storage_dir=str(tmp_path), host_pool_pages=4), g) as eng:
@@ -217,7 +217,7 @@ def test_device_load_puts_every_landed_page_on_the_device(tmp_path, policy):
 
 
 def test_verdict_says_how_much_faster_mp_is_than_each_baseline():
-    from hicache_mp.sim.summary import format_verdict
+    from hicache_mp.bench.sim.summary import format_verdict
     rows = {"none": {"ttft_mean_s": 0.5}, "file": {"ttft_mean_s": 6.0},
             "file+yield": {"ttft_mean_s": 0.49}, "fast_file": {"ttft_mean_s": 0.8},
             "fast_file-r4": {"ttft_mean_s": 0.4}, "mp": {"ttft_mean_s": 0.5}}
@@ -229,7 +229,7 @@ def test_verdict_says_how_much_faster_mp_is_than_each_baseline():
 
 
 def test_a_run_on_a_busy_machine_says_so(report):
-    from hicache_mp.sim.bench import busy_machine_note
+    from hicache_mp.bench.sim.bench import busy_machine_note
     for run in report["runs"].values():
         assert len(run["load_avg"]) == 2 and min(run["load_avg"]) >= 0
     quiet = {"mp": {"backend": "mp", "load_avg": [9.0, 16.0]},   # its own workers

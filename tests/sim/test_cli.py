@@ -106,7 +106,7 @@ def test_merge_prints_one_table_from_reports_run_apart(tmp_path, capsys):
 def test_idle_sleep0_runs_are_labelled_and_yield_in_idle_steps(tmp_path, monkeypatch):
     import time as time_mod
 
-    from hicache_mp.sim import scheduler
+    from hicache_mp.bench.sim import scheduler
     cfg = cli.bench_config(cli.build_parser().parse_args(
         ["bench", "--scheduler-idle-sleep0", "--fast-file-read-workers", "1,2"]))
     assert cfg.runs == ("none", "file+sleep0", "file+yield+sleep0", "fast_file+sleep0",

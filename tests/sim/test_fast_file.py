@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hicache_mp import EngineConfig, make_engine
-from hicache_mp.fast_file import STORAGE_BATCH_SIZE, FastFileEngine
+from hicache_mp.bench.fast_file import STORAGE_BATCH_SIZE, FastFileEngine
 from helpers import engine, fill, geometry, random_pages, read_back
 from workers import naming
 

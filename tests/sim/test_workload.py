@@ -5,9 +5,9 @@ import re
 import numpy as np
 import pytest
 
-from hicache_mp.sim.summary import (RequestResult, format_comparison,
+from hicache_mp.bench.sim.summary import (RequestResult, format_comparison,
                                     format_summary, summarize)
-from hicache_mp.sim.workload import (HIT_RATE, OUTPUT_MEAN, OUTPUT_P90,
+from hicache_mp.bench.sim.workload import (HIT_RATE, OUTPUT_MEAN, OUTPUT_P90,
                                      OUTPUT_P99, PROMPT_MEAN, PROMPT_P90,
                                      PROMPT_P99, ComputeModel, describe,
                                      make_workload)

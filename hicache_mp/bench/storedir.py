@@ -1,4 +1,4 @@
-"""Making a page file's fan-out directories owner-only, by path (the `file` baseline's way).
+"""Making a page file's fan-out directories owner-only, by path (the in-process baselines' way).
 
 `os.makedirs(mode=...)` applies the mode to the last level only, so each
 level is made explicitly. Must not touch page files; the `mp` engine's
@@ -6,7 +6,7 @@ workers make theirs through workers.filestore, relative to directory fds.
 """
 import os
 
-DIR_MODE = 0o700
+from workers.store import DIR_MODE
 
 
 def ensure_parent(path: str, root: str, mode: int = DIR_MODE) -> None:

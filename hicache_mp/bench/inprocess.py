@@ -1,15 +1,16 @@
 """The in-process baselines' threads: a read and a write thread in the scheduler's process.
 
-Owns what `file` (hicache_mp.baseline) and `fast_file` (hicache_mp.fast_file)
-share as EngineCore subclasses: the two queues and threads, the completion
-deque, the event sleepers wait on, and stopping it all. Must not do I/O: each
+Owns what `file` (hicache_mp.bench.baseline) and `fast_file`
+(hicache_mp.bench.fast_file) share as EngineCore subclasses: the two queues
+and threads, the completion deque, the event sleepers wait on, and stopping
+it all. Must not do I/O: each
 subclass's `_loop(kind)` does that, the way the backend it stands for does.
 """
 import collections
 import queue
 import threading
 
-from .ops import READ, WRITE
+from ..ops import READ, WRITE
 
 
 class InProcessThreads:

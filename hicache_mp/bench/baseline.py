@@ -15,14 +15,14 @@ import time
 
 import torch
 
-from shm import HostPool, new_owner_tag, clean_stale
+from shm import HostPool, clean_stale, new_owner_tag
 from workers import pagefile, tmpfiles
-from workers.storedir import ensure_fanout
 from workers import status as st
 
-from .core import EngineCore
+from ..core import EngineCore
+from ..ops import READ, Op
 from .inprocess import InProcessThreads
-from .ops import READ, Op
+from .storedir import ensure_fanout
 
 
 class ThreadedFileEngine(InProcessThreads, EngineCore):

@@ -47,11 +47,11 @@ import torch
 from shm import HostPool, clean_stale, new_owner_tag
 from workers import pagefile, tmpfiles
 from workers import status as st
-from workers.storedir import ensure_fanout
 
-from .core import EngineCore
+from ..core import EngineCore
+from ..ops import READ, Op
 from .inprocess import InProcessThreads
-from .ops import READ, Op
+from .storedir import ensure_fanout
 
 STORAGE_BATCH_SIZE = 128          # sglang.srt.mem_cache.hicache_storage
 DIRECT_IO_LAYOUTS = ("page_first", "page_first_direct")
