@@ -1,6 +1,6 @@
 """hicache_mp: a GIL-free, multiprocess prefetch engine for hierarchical KV caches.
 
-Owns the scheduler-facing API (DESIGN.md §4). Must not do page I/O itself:
+Owns the scheduler-facing API (docs/design.md). Must not do page I/O itself:
 worker processes (package `workers`) move the bytes.
 """
 from shm import PageGeometry

@@ -1,6 +1,6 @@
 """Names of shared-memory objects and clean-up of stale ones.
 
-Owns the naming rule of DESIGN.md §4: every segment and semaphore name is
+Owns the naming rule (docs/design.md, Parts): every segment and semaphore name is
 ``hicache_mp.<owner pid>.<random>.<role>``, so a leftover can be traced to its
 owner and removed once that owner is dead. Must not create or map anything.
 """
@@ -11,7 +11,7 @@ import secrets
 import posix_ipc
 
 PREFIX = "hicache_mp."
-SHM_DIR = "/dev/shm"
+SHM_DIR = "/dev/shm"  # where Linux keeps POSIX segments and (glibc) named semaphores
 # glibc stores named semaphores in /dev/shm as "sem.<name>".
 SEM_FILE_PREFIX = "sem."
 

@@ -18,8 +18,9 @@ import os
 
 import posix_ipc
 
+from .names import SHM_DIR
+
 DEFAULT_MODE = 0o600
-SHM_DIR = "/dev/shm"
 
 
 class ShmFullError(OSError):
@@ -50,7 +51,7 @@ class Segment:
 
     The creator owns the name and unlinks it on `close()`; an attacher only
     unmaps. `populate=True` maps with MAP_POPULATE so a worker takes no page
-    faults in the middle of a read (DESIGN.md §1: it doubles one worker's rate).
+    faults in the middle of a read (those faults would halve one worker's rate).
     """
 
     def __init__(self, name: str, size: int, *, create: bool, mode: int = DEFAULT_MODE,

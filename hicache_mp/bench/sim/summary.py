@@ -1,7 +1,7 @@
 """Per-request results and the benchmark summary, in SGLang's format.
 
 Owns: `RequestResult`, `summarize` (the fields SGLang's bench_long_context /
-bench_serving print, listed in shared/WORKLOAD.md), and the text formatting
+bench_serving print), and the text formatting
 of one run (`format_summary`), of several backends side by side
 (`format_comparison`) and the verdict under that table (`format_verdict`). Pure functions: no I/O, no engine calls.
 

@@ -1,4 +1,4 @@
-"""Synthetic LooGLE-like workload of shared/WORKLOAD.md.
+"""Synthetic LooGLE-like long-context workload (docs/design.md: the reference engine).
 
 Owns: the reference figures (prompt/output length statistics, hit rate,
 release rate, compute speeds), the `Request` record with its deterministic
@@ -18,7 +18,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-# --- Figures from WORKLOAD.md (SGLang 0.5.10, A100-40GB, Llama-3.1-8B) ---
+# --- Figures of the reference workload (SGLang 0.5.10, A100-40GB, Llama-3.1-8B) ---
 PROMPT_MEAN = 19723.47
 PROMPT_P90 = 27894.0
 PROMPT_P99 = 36567.0
@@ -142,7 +142,7 @@ def _cached_lens(rng, prompts, page_size, hit_rate):
 
 def make_workload(num_requests: int = NUM_REQUESTS, seed: int = 0,
                   scale: float = 1.0, page_size: int = PAGE_SIZE) -> list[Request]:
-    """Requests whose prompt/output statistics and hit rate match WORKLOAD.md.
+    """Requests whose prompt/output statistics and hit rate match the figures above.
 
     `scale` multiplies prompt lengths (quick runs); proportions and the hit
     rate are kept. Arrivals are FIFO at RELEASE_PER_S.
