@@ -141,7 +141,7 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
                    help="host pool slots per engine; 0 = auto (the hit pages of 24 requests in "
                         "flight plus write-back room, at most 40%% of RAM / free /dev/shm)")
     p.add_argument("--json", default=None, metavar="PATH",
-                   help="write every figure as JSON (schema: hicache_mp.cli docstring / README)")
+                   help="write every figure as JSON (schema: the hicache_mp.cli docstring)")
     p.add_argument("--plot", default=None, metavar="PATH.png",
                    help="draw TTFT distributions and per-op prefetch GB/s per backend "
                         "(needs matplotlib: pip install -e .[plot])")

@@ -37,7 +37,7 @@ NODE_DIR = "/dev/shm/hicache_mp-node"
 # and under load the kernel descheduled a thread that held the GIL: through
 # SGLang's controller on the 16-core H200 box the busy scheduler lost 25 ms
 # per 2 GiB round at 15 workers, 10 ms at 13 and 7 ms at 11, and reads beside
-# a write-through kept 0.67 / 0.85 / 0.82 of their GB/s (docs/decisions.md 64).
+# a write-through kept 0.67 / 0.85 / 0.82 of their GB/s (decision 64).
 SCHEDULER_CORES = 2
 # Overrides, read when an engine registers: the registry's directory (one per
 # node by default), and the core count (a container whose CPU quota is below

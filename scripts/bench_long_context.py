@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Full-scale long-context benchmark of shared/WORKLOAD.md: Llama-3.1-8B, 8 MiB pages.
+"""Full-scale reference workload (docs/design.md §5): Llama-3.1-8B, 8 MiB pages.
 
 The same code path as `hicache-mp bench` (this calls its entry point with the
 arguments given; without --quick that is full scale: 32 layers x 8 KV heads x

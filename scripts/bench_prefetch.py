@@ -15,9 +15,9 @@ Everything is measured in one run on the same page files (page cache warm):
                   prefetches at full speed
   poll() cost     median/p99 of poll() with 24 ops in flight
 
-It prints the ratios DESIGN.md §5 sets targets for; `--json` writes every figure.
+It prints the ratios docs/design.md §6 sets targets for; `--json` writes every figure.
 Timings on a small CI machine only catch regressions; report figures from a
-real box (README "Measured results").
+real box (docs/results.md).
 """
 import argparse
 import json

@@ -7,7 +7,7 @@
 # Each step has its own time limit, so one slow step cannot eat the others.
 # The limits add up to more than the device's 10-minute call; run it with
 # the call's full limit and read what came back under OUTDIR. --pin-workers
-# is not measured any more: it lost on this VM (README, Prefetch).
+# is not measured any more: it lost on this VM (docs/results.md, Prefetch engine).
 set -u
 out=${1:?usage: scripts/gpu_suite.sh OUTDIR [NUM_REQUESTS]}
 nreq=${2:-6}

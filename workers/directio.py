@@ -178,7 +178,7 @@ def resolve(mode: str, directories, geometry, num_pages: int,
     RAM: its `max_bytes` limit is larger than physical memory. A filesystem
     larger than RAM is not enough (almost every disk is): the pages a server
     re-reads are its hot prefixes, which the page cache keeps. Measured on the
-    H200 box (docs/decisions.md 18): with "auto" once taking the filesystem's
+    H200 box (decision 18): with "auto" once taking the filesystem's
     252 GB as the store's size, the 20-request long-context run read every
     prefetch cold at 1.5 GB/s, mean TTFT 14.6 s, against 2.6 s buffered; and
     cold, O_DIRECT read no faster there (1.32 GB/s raw, against 1.90 GB/s

@@ -35,7 +35,7 @@ def preadv_full(fd: int, iovecs: list, total: int, direct: bool = False) -> int:
 
 
 # A buffered page write goes in pieces of about this many bytes: the finest a
-# worker can pause it for reads (docs/decisions.md 66). About 0.3 ms of copy
+# worker can pause it for reads (decision 66). About 0.3 ms of copy
 # into the page cache; a piece costs one more pwritev and a gate check.
 WRITE_PIECE_BYTES = 1 << 20
 

@@ -13,7 +13,7 @@ one process run in the kernel at once, and a queue-depth-limited device
 between requests) sees `workers x io_depth` requests instead of `workers`,
 without a process, a ring pair and a pool mapping per extra request.
 Measured on the H200 box (scripts/bench_storage.py --io-depth): see
-docs/decisions.md entry 19 for the default that gave and why.
+decision 19 (docs/decisions/) for the default that gave and why.
 
 The rules the inline loop keeps still hold:
   - reads first: the dispatcher picks one record at a time, asking the

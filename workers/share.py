@@ -8,7 +8,7 @@ not pick records, touch rings or do I/O: the worker's loop (workers.worker)
 and its lanes (workers.lanes) ask `turn`, fit the lane `gate` it hands out,
 and report each page taken, started and finished.
 
-The credit (docs/decisions.md 55): while a write waits, every read served
+The credit (decision 55): while a write waits, every read served
 earns ``io_ns * share / (1 - share)``; a write may start while reads wait
 only if the credit covers its expected cost (an EWMA of this worker's
 measured writes; before the first, the page at FIRST_WRITE_BPS), and is

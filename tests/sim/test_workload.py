@@ -1,4 +1,4 @@
-"""Workload matches WORKLOAD.md's figures; summary arithmetic is exact."""
+"""Workload matches the reference workload's figures (docs/design.md §5); summary arithmetic is exact."""
 
 import re
 
