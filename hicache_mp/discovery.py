@@ -13,7 +13,7 @@ syscall for it. Must not touch files: workers do.
 Why not a periodic rescan: at a million pages a walk is seconds of Python in
 the scheduler's process, and still late. Why not a stat in exists(): it is a
 metadata round trip on the scheduler's thread, per missing key, and on a
-network filesystem that is milliseconds each (docs/decisions.md).
+network filesystem that is milliseconds each (decision 29).
 """
 PROBE_TTL_S = 0.25
 ANSWER_LOST_S = 2.0

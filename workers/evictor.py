@@ -4,7 +4,7 @@ Runs as its own process (``python -m workers.evictor hicache_mp-evictor '<json>'
 started by the engine when `storage_max_bytes` or `storage_min_free_bytes` is
 set. A process, not a thread in the scheduler: a store of many pages takes
 thousands of stat/unlink calls per pass, and a thread would both compete with
-the scheduler's loop for the GIL and starve behind it (DESIGN.md §1), falling
+the scheduler's loop for the GIL and starve behind it (docs/design.md §1), falling
 behind writes exactly when the disk fills. Torch-free, like the workers.
 
     engine                        evictor                           workers
