@@ -2,7 +2,7 @@
 # Every GPU-machine check and benchmark in one go, for a lent box with a time
 # limit: DeviceLoader correctness, H2D rates, prefetch ratios, cold storage
 # against raw ceilings, and a small full-geometry long-context run (the
-# README's 20-request run needs calls of its own: stock `file` alone takes
+# 20-request run of docs/results.md needs calls of its own: stock `file` alone takes
 # about 6 minutes there). Usage: scripts/gpu_suite.sh OUTDIR [NUM_REQUESTS]
 # Each step has its own time limit, so one slow step cannot eat the others.
 # The limits add up to more than the device's 10-minute call; run it with
