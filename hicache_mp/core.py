@@ -29,12 +29,13 @@ import weakref
 
 import numpy as np
 
-from shm import PageGeometry
+from shm import PageGeometry, gilkeep
 from workers import naming
 from workers import status as st
 from workers.control import PIN_SLOTS, pin_slots
 from workers.stores import open_store
 
+from .closing import Closing, EngineClosed, EngineForked
 from .config import POLICIES, EngineConfig
 from .discovery import Discovery
 from .index import StoreIndex
@@ -57,15 +58,6 @@ def _check_pool_size(nbytes: int) -> None:
     if nbytes > limit:
         raise ValueError(f"a host pool of {nbytes / 2**30:.1f} GiB does not fit in this machine's "
                          f"memory ({limit / 2**30:.1f} GiB): lower host_pool_pages or the page size")
-
-
-class EngineClosed(RuntimeError):
-    """The engine was closed; it accepts no more work."""
-
-
-class EngineForked(EngineClosed):
-    """This process is a fork of the one that made the engine: the engine's
-    workers, rings and segments belong to the parent, so here it is closed."""
 
 
 # Engines of this process; a forked child disowns them all before it runs any
@@ -97,7 +89,10 @@ def check_timeout(timeout_s, name: str = "timeout_s"):
     return None if math.isinf(timeout_s) else float(timeout_s)
 
 
-class EngineCore:
+__all__ = ["EngineCore", "EngineClosed", "EngineForked", "check_timeout"]
+
+
+class EngineCore(Closing):
     backend = "?"
 
     def __init__(self, config: EngineConfig, geometry: PageGeometry):
@@ -125,9 +120,8 @@ class EngineCore:
         self._released = False         # segments gone: nothing may touch the pool now
         self._owner_pid = os.getpid()
         self._forked = False
-        self._sleepers = 0             # threads inside _sleep_for_completion
-        self._sleepers_gone = threading.Condition(self._lock)
         self._closing = False          # close() is flushing backups: no new work
+        self._init_closing()           # close(), the sleepers (hicache_mp.closing)
         self._logged_causes: set = set()
         self._start_ns = time.perf_counter_ns()
         self._last_rescan = time.monotonic()
@@ -163,6 +157,22 @@ class EngineCore:
             f"{os.getpid()} is a fork of it and cannot use it (its workers, rings and shared "
             f"memory are the parent's). Create a new engine in the child")
 
+    def _check_open(self) -> None:
+        if self._forked:
+            self._refuse_in_child()
+        if self._closed:
+            raise EngineClosed("engine is closed")
+
+    def _closed_during(self, call: str, exc: Exception) -> Exception:
+        """What a call raises for `exc`: EngineClosed if the engine was closed
+        under it (what the released rings, semaphores and pool raise then is no
+        error of the caller's, hicache_mp.closing), else `exc` itself."""
+        if isinstance(exc, EngineClosed) or not self._closed:
+            return exc
+        out = EngineClosed(f"engine was closed during {call}")
+        out.__cause__ = exc
+        return out
+
     # --- public API -----------------------------------------------------------
     def exists(self, keys, *, wait_s: float = 0.0) -> int:
         """How many leading keys have a page in the store.
@@ -178,12 +188,17 @@ class EngineCore:
         follows: asking about the rest would cost the store a stat per key,
         and this thread a digest per key, for nothing.
         """
-        if self._forked:
-            self._refuse_in_child()
+        self._check_open()
+        try:
+            return self._exists(keys, wait_s)
+        except Exception as exc:
+            raise self._closed_during("exists()", exc)
+
+    def _exists(self, keys, wait_s: float) -> int:
         if not isinstance(keys, (list, tuple)):
             keys = list(keys)
         n = self._leading(keys)
-        if n == len(keys) or self._closed:
+        if n == len(keys):
             return n
         deadline = time.monotonic() + wait_s
         # A prefix whose first pages are known is asked about whole (its
@@ -202,36 +217,33 @@ class EngineCore:
         """Ask the store about every key the index misses, not only a prefix's
         head (a sidecar pool's trailing pages; `present()` then says which are
         there); waits up to `wait_s` for the answers, as `exists()` does."""
-        if self._forked:
-            self._refuse_in_child()
-        if self._closed:
-            return
+        self._check_open()
         keys = list(keys)
         ns, known = self.namespace, self._index.digests
         missing = [k for k in keys if naming.key_digest(k, ns) not in known]
         if missing:
-            self._ask(missing, time.monotonic() + wait_s, whole=True)
+            try:
+                self._ask(missing, time.monotonic() + wait_s, whole=True)
+            except Exception as exc:
+                raise self._closed_during("ask()", exc)
 
     def _ask(self, keys, deadline: float, whole: bool) -> None:
         """Probe `keys` (the first is unknown; with `whole`, the rest too) and
         wait until they are answered or `deadline`."""
         with self._lock:
+            self._check_open()
             waiting = self._probe(keys, whole)
-        while waiting and not self._released and time.monotonic() < deadline:
-            self.poll()
+        while waiting and time.monotonic() < deadline:
+            self.poll()  # EngineClosed once closed
             left = deadline - time.monotonic()
             if left <= 0 or waiting.isdisjoint(self._discovery.waiting):
                 return
-            with self._lock:  # the sleepers protocol of wait(): close() waits for us
-                if self._released:
-                    return
-                self._sleepers += 1
+            if not self._enter_sleep():  # the sleepers protocol of wait()
+                continue
             try:
                 self._sleep_for_completion(min(left, 0.05))
             finally:
-                with self._lock:
-                    self._sleepers -= 1
-                    self._sleepers_gone.notify_all()
+                self._leave_sleep()
 
     def _leading(self, keys) -> int:
         ns, known = self.namespace, self._index.digests
@@ -281,16 +293,29 @@ class EngineCore:
                  timeout_s: float | None = None) -> Op:
         """Start reading pages for `keys` into `host_pages`; returns at once.
         `timeout_s` (the `timeout` policy's deadline): seconds, or None / inf for none."""
-        return self._start(READ, keys, host_pages, policy, timeout_s)
+        try:
+            op = self._start(READ, keys, host_pages, policy, timeout_s)
+        except Exception as exc:
+            raise self._closed_during("prefetch()", exc)
+        if self._closed:  # closed while it was handed out: its pages end cancelled
+            raise EngineClosed(f"engine was closed during prefetch(); the op ended {op.status}")
+        return op
 
     def backup(self, keys, host_pages) -> Op:
         """Start writing `host_pages` to the store under `keys` (write-through)."""
-        return self._start(WRITE, keys, host_pages, "wait_complete", None)
+        try:
+            op = self._start(WRITE, keys, host_pages, "wait_complete", None)
+        except Exception as exc:
+            raise self._closed_during("backup()", exc)
+        if self._closed:  # closed while it was handed out: close() flushed or cancelled it
+            raise EngineClosed(f"engine was closed during backup(); the op ended {op.status}")
+        return op
 
     def cancel(self, op: Op) -> None:
         """Stop an op: pages not yet started are skipped; `completed_pages` freezes.
 
-        The op is `done` (its slots free) once in-flight pages come back.
+        The op is `done` (its slots free) once in-flight pages come back. On a
+        closed engine there is nothing left to cancel (close() ended every op).
         """
         if self._forked:
             self._refuse_in_child()
@@ -298,7 +323,12 @@ class EngineCore:
             if op.done:
                 return
             op._cancel()
-            self._cancel_io(op)
+            if not self._closed:
+                try:
+                    self._cancel_io(op)
+                except Exception:
+                    if not self._closed:  # else closed under us: close() ends the op
+                        raise
 
     def abandon(self, op: Op, grace_s: float = 1.0) -> None:
         """Cancel `op` and return once nothing can write its host slots any more,
@@ -318,18 +348,21 @@ class EngineCore:
         self.loader = loader
 
     def poll(self) -> int:
-        """Apply finished pages to their ops. Cheap and non-blocking: call every loop."""
-        if self._forked:
-            self._refuse_in_child()
-        with self._lock:
-            self._poll_calls += 1
-            n = self._drain()
-            if self.loader is not None:
-                self.loader.step()
-            if self.config.rescan_interval_s and \
-                    time.monotonic() - self._last_rescan > self.config.rescan_interval_s:
-                self._start_rescan()
-            return n
+        """Apply finished pages to their ops. Cheap and non-blocking: call every
+        loop. EngineClosed once the engine is closed."""
+        self._check_open()
+        try:
+            with self._lock:
+                self._poll_calls += 1
+                n = self._drain()
+                if self.loader is not None:
+                    self.loader.step()
+                if self.config.rescan_interval_s and \
+                        time.monotonic() - self._last_rescan > self.config.rescan_interval_s:
+                    self._start_rescan()
+                return n
+        except Exception as exc:
+            raise self._closed_during("poll()", exc)
 
     def wait(self, op: Op, timeout_s: float | None = None) -> bool:
         """Block (GIL released) until `op` is done (True) or the timeout passes (False).
@@ -340,26 +373,25 @@ class EngineCore:
         """
         timeout_s = check_timeout(timeout_s)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            if self._closed:  # its pool may be gone: a caller must not read the slots
-                raise EngineClosed(f"engine is closed; the op ended {op.status}")
-            self.poll()
-            if op.done:
-                return True
-            left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S,
-                                                             deadline - time.monotonic())
-            if left <= 0:
-                return False
-            with self._lock:
-                if self._released:
+        try:
+            while True:
+                if self._closed:  # its pool may be gone: a caller must not read the slots
+                    raise EngineClosed(f"engine is closed; the op ended {op.status}")
+                self.poll()
+                if op.done:
+                    return True
+                left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S,
+                                                                 deadline - time.monotonic())
+                if left <= 0:
+                    return False
+                if not self._enter_sleep():  # released: the loop's first line says so
                     continue
-                self._sleepers += 1
-            try:
-                self._sleep_for_completion(left, op)
-            finally:
-                with self._lock:
-                    self._sleepers -= 1
-                    self._sleepers_gone.notify_all()
+                try:
+                    self._sleep_for_completion(left, op)
+                finally:
+                    self._leave_sleep()
+        except Exception as exc:
+            raise self._closed_during("wait()", exc)
 
     def refresh(self) -> int:
         """Rescan the store (picks up pages other engines wrote). Returns the count."""
@@ -372,8 +404,17 @@ class EngineCore:
             return len(self._index)
 
     def metrics(self) -> dict:
+        """Counters and rates; also on a closed engine (`close`: what close() did)."""
         if self._forked:
             self._refuse_in_child()
+        try:
+            return self._metrics()
+        except Exception:
+            if not self._closed:
+                raise
+            return self._metrics()  # closed under it: the closed engine's figures read no shm
+
+    def _metrics(self) -> dict:
         with self._lock:
             now = time.perf_counter_ns()
             out = {"backend": self.backend, "workers": self._num_workers(),
@@ -392,51 +433,8 @@ class EngineCore:
                 out[f"{kind}_status"] = {st.NAMES[i]: int(c) for i, c in enumerate(counts) if c}
             out["misses"] = int(sum(self._counts[READ][c] for c in st.READ_MISSES))
             out.update(self._io_metrics(now))
+            out["close"] = self._close_report
             return out
-
-    def close(self, flush: bool = True, timeout_s: float = 30.0) -> None:
-        """Stop the I/O and release everything. With `flush` (the default, like
-        Executor.shutdown(wait=True)) backups in flight are first let finish, for
-        up to `timeout_s` in all, so leaving a `with` block right after backup()
-        loses nothing; pages still unwritten then, and every prefetch in flight,
-        end CANCELLED. New work is refused from the moment close() starts."""
-        if self._forked:
-            self._refuse_in_child()
-        if flush:
-            self._flush(timeout_s)
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            try:
-                if self.loader is not None:
-                    self.loader.close()
-                self._shutdown_io()
-            finally:
-                now = time.perf_counter_ns()
-                for op in list(self._ops.values()):
-                    op._cancel()
-                    for pos in np.flatnonzero(op.page_status == st.PENDING):
-                        self._apply(op, int(pos), st.CANCELLED, 0, 0, now)
-                # Sleepers leave their semaphore before it is closed under them.
-                self._wake_sleepers()
-                self._sleepers_gone.wait_for(lambda: self._sleepers == 0, timeout=5.0)
-                self._released = True
-                self._release_shm()
-
-    def _flush(self, timeout_s: float) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closing = True
-            writes = [op for op in self._ops.values() if op.kind == WRITE]
-        deadline = time.monotonic() + timeout_s
-        for op in writes:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.wait(op, left):
-                log.warning("hicache_mp close(): backups not flushed after %ss; the rest are "
-                            "cancelled", timeout_s)
-                return
 
     def __enter__(self):
         return self
@@ -471,7 +469,7 @@ class EngineCore:
                 raise EngineClosed("engine is closed")
             self._check_accepting()
             if len(pages):
-                busy = self._reserved[pages] | (self._slot_op[pages] != 0)
+                busy = gilkeep.take(self._reserved, pages) | (gilkeep.take(self._slot_op, pages) != 0)
                 if busy.any():
                     raise ValueError(f"host pages {pages[busy][:8].tolist()} belong to an op "
                                      f"still in flight")
@@ -481,14 +479,14 @@ class EngineCore:
             self._next_id += 1
             if op.num_pages == 0:
                 return op
-            self._reserved[pages] = True
-            self._slot_op[pages] = op.id
+            gilkeep.set_at(self._reserved, pages, True)
+            gilkeep.set_at(self._slot_op, pages, op.id)
             self._ops[op.id] = op
             if self._in_flight[kind] == 0:
                 self._busy_since[kind] = op.submit_ns
             self._in_flight[kind] += 1
-            op.pin_slots = pin_slots(np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(-1, 32))
-            np.add.at(self._pins, op.pin_slots, 1)
+            op.pin_slots = pin_slots(b"".join(digests))
+            gilkeep.add_at(self._pins, op.pin_slots, 1)
             if kind == WRITE:
                 room = max(0, self._backup_budget - self._write_pages)
                 self._write_pages += op.num_pages
@@ -521,7 +519,7 @@ class EngineCore:
             lo, hi = int(pages.min()), int(pages.max())
             if lo < 0 or hi >= limit:
                 raise ValueError(f"host page {lo if lo < 0 else hi} out of range [0, {limit})")
-            if len(np.unique(pages)) != len(pages):
+            if gilkeep.repeats(pages):
                 raise ValueError("host pages repeat within one op")
         return pages
 
@@ -560,7 +558,10 @@ class EngineCore:
         `_apply`, 1.1 µs each here. Its numpy calls have a fixed cost, so small
         drains keep the scalar path (engine.BATCH_APPLY_MIN).
         """
-        pos = pos.astype(np.intp, copy=False)
+        # contiguous: fancy stores from a record field's strided view may loop
+        # with the GIL released (shm.gilkeep)
+        pos = pos.astype(np.intp)
+        codes, io_ns, errs = (np.ascontiguousarray(a) for a in (codes, io_ns, errs))
         live = op.page_status[pos] == st.PENDING  # pages failed by a worker death stay failed
         if not live.all():
             pos, codes, io_ns, errs, seqs = pos[live], codes[live], io_ns[live], errs[live], \
@@ -568,12 +569,12 @@ class EngineCore:
         n = len(pos)
         if not n:
             return
-        self._reserved[op.host_pages[pos]] = False
-        np.subtract.at(self._pins, op.pin_slots[pos], np.uint64(1))
+        gilkeep.set_at(self._reserved, gilkeep.take(op.host_pages, pos), False)
+        gilkeep.add_at(self._pins, gilkeep.take(op.pin_slots, pos), -1)
         if op.kind == WRITE:
             self._write_pages -= n
         op.landed_seq[pos] = seqs
-        np.add.at(self._counts[op.kind], codes, 1)
+        gilkeep.add_at(self._counts[op.kind], codes, 1)
         ok = codes == st.OK
         digests = op.digests
         if op.kind == WRITE and ok.any():

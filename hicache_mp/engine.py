@@ -51,7 +51,7 @@ import weakref
 
 import numpy as np
 
-from shm import PageGeometry, WakeSemaphore, clean_stale, new_owner_tag
+from shm import PageGeometry, WakeSemaphore, clean_stale, gilkeep, new_owner_tag
 from shm.hostpool import HostPool
 from shm.partpool import Part, PartPool
 from shm.ring import RECORD_DTYPE, ring_bytes
@@ -66,7 +66,7 @@ from workers.records import KIND_PROBE, KIND_READ, KIND_WRITE
 from workers.spec import WorkerSpec
 
 from .config import EngineConfig
-from .core import EngineCore, check_timeout, log
+from .core import EngineClosed, EngineCore, check_timeout, log
 from .discovery import PROBE_MAX
 from .nodeshare import NodeShare
 from .ops import READ, Op
@@ -125,7 +125,7 @@ class PrefetchEngine(EngineCore):
         # leftover posts taken before a sleep (never slept on).
         self._wakeups = [0, 0, 0, 0]
         self._targets: list = []  # wake-up target of each thread in wait(); 0: none
-        self._leader = False        # one of them sleeps on done_sem for all (_sleep_for_completion)
+        self._leader = None         # the thread that sleeps on done_sem for all (_sleep_for_completion)
         self._woken = threading.Condition(self._lock)
         self._gil_delay_s = 0.0  # EWMA: a worker's post -> the waiter runs again
         self._stalled_pages = 0
@@ -187,12 +187,14 @@ class PrefetchEngine(EngineCore):
                     self._segments.append(dups[fd])
                 own_parts = [Part(dups[p.fd].fd, p.offset, p.stride) for p in parts]
                 self.host_pool = PartPool(own_parts, config.host_pool_pages,
-                                          name=self.tag + ".pool", populate=config.populate)
+                                          name=self.tag + ".pool", populate=config.populate,
+                                          closed_error=EngineClosed)
             else:
                 self.host_pool = HostPool(geometry, config.host_pool_pages,
                                           name=self.tag + ".pool", create=own_fd is None,
                                           populate=config.populate,
-                                          fd=None if own_fd is None else own_fd.fd)
+                                          fd=None if own_fd is None else own_fd.fd,
+                                          closed_error=EngineClosed)
             self._segments.append(self.host_pool)
             self._control = Control(self.tag + ".ctl", create=True)
             self._segments.append(self._control)
@@ -257,12 +259,10 @@ class PrefetchEngine(EngineCore):
 
     def _submit(self, op: Op) -> None:
         n = op.num_pages
-        recs = np.zeros(n, dtype=RECORD_DTYPE)
+        recs = _records(b"".join(op.digests), KIND_READ if op.kind == READ else KIND_WRITE)
         recs["op_id"] = op.id
-        recs["host_page"] = op.host_pages
-        recs["page_pos"] = np.arange(n, dtype=np.uint32)
-        recs["kind"] = KIND_READ if op.kind == READ else KIND_WRITE
-        recs["digest"] = np.frombuffer(b"".join(op.digests), dtype=np.uint8).reshape(n, 32)
+        gilkeep.assign(recs["host_page"], op.host_pages)
+        gilkeep.assign(recs["page_pos"], gilkeep.iota(n))
         # Ready workers only; with none ready (all being replaced), pages wait in
         # the replacements' rings (workers.pool).
         workers = self._pool.usable() or self._pool.starting
@@ -274,7 +274,7 @@ class PrefetchEngine(EngineCore):
         start = self._rr % nw
         self._rr = (start + n) % nw
         index_of = np.array([h.index for h in workers], dtype=np.uint16)
-        op.worker_of = index_of[(np.arange(n) + start) % nw]
+        op.worker_of = index_of[(gilkeep.iota(n, start)) % nw]
         rejected = []
         writes = op.kind != READ
         if writes and (op.page_status != st.PENDING).any():
@@ -327,10 +327,8 @@ class PrefetchEngine(EngineCore):
         # that ask is still unanswered, the caller waits for it all the same.
         ask = [d for d in asked if disc.due(d, now)]
         if ask:
-            recs = np.zeros(len(ask), dtype=RECORD_DTYPE)
-            recs["kind"] = KIND_PROBE
-            recs["host_page"] = -1
-            recs["digest"] = np.frombuffer(b"".join(ask), dtype=np.uint8).reshape(-1, 32)
+            recs = _records(b"".join(ask), KIND_PROBE)
+            gilkeep.assign(recs["host_page"], -1)
             nw = len(workers)
             sent = []
             for i in range(min(nw, len(ask))):
@@ -388,7 +386,8 @@ class PrefetchEngine(EngineCore):
         elif (op_ids == op_ids[0]).all():
             groups = [(op_ids[0], None)]
         else:
-            groups = [(i, np.flatnonzero(op_ids == i)) for i in np.unique(op_ids)]
+            # dict, not np.unique: a sort lets the GIL go (shm.gilkeep)
+            groups = [(i, np.flatnonzero(op_ids == i)) for i in dict.fromkeys(op_ids.tolist())]
         for op_id, at in groups:
             part = recs if at is None else recs[at]
             if op_id is None or len(part) < BATCH_APPLY_MIN:
@@ -397,7 +396,7 @@ class PrefetchEngine(EngineCore):
                 continue
             op = self._ops.get(int(op_id))
             if op is not None:
-                seqs = np.arange(seq0, seq0 + n) if at is None else seq0 + at
+                seqs = gilkeep.iota(n, seq0) if at is None else seq0 + at
                 self._apply_many(op, part["page_pos"], part["status"], part["io_ns"],
                                  part["flags"], seqs, now)
         return n
@@ -552,17 +551,25 @@ class PrefetchEngine(EngineCore):
         # thread sleeps on a semaphore, so two on it woke each other's pages.
         # Each waiter on an op sets the point at which its pages are surely done
         # (control: WAKE_AT) and the workers post at the lowest, so each thread
-        # wakes about once per batch of its own, not once per page anyone moved;
+        # wakes about once per batch of their own, not once per page anyone moved;
         # a waiter on no op: after every completion. Set before the
         # announcement, so no worker sees a waiter without it.
-        words = self._control.words
+        # The leader is a thread, not a flag: a call nested on the leader's own
+        # thread (from a signal handler that interrupted its sleep) leads in
+        # its turn, since that sleep is not asleep while the handler runs. A
+        # close() under any of it (also nested) releases the control block and
+        # the semaphore: from then on nothing here touches them (`_released`),
+        # and a sleep on the closed semaphore ends at once (shm.wake).
+        me = threading.get_ident()
         with self._lock:
             if self._released:
                 return
+            words = self._control.words
             target = op is not None and not op.done
             at = self._worker_pages + op._remaining if target else 0
             cap = min(timeout_s, TARGET_CAP_S if target else 0.005)
-            lead = not self._leader
+            prev = self._leader
+            lead = prev is None or prev == me
             if lead and at:
                 # Nobody sleeps on the semaphore now, so a post still pending is
                 # left over from a wait that ended without sleeping (its last page
@@ -579,12 +586,12 @@ class PrefetchEngine(EngineCore):
                 try:
                     if drained:
                         self._woken.notify_all()  # those pages may end a follower's op
-                    else:
+                    elif not self._closed:
                         self._count_wake(self._woken.wait(cap), at, follower=True)
                 finally:
                     self._leave(at)
                 return
-            self._leader = True
+            self._leader = me
         posted = False
         try:
             # Each sleep gives the GIL up and takes it back on waking: counted
@@ -593,7 +600,7 @@ class PrefetchEngine(EngineCore):
             posted = self.done_sem.wait(cap)
         finally:
             with self._lock:
-                self._leader = False
+                self._leader = prev
                 self._count_wake(posted, at)
                 if not self._closed:
                     self._drain()  # the followers' ops too, before they look
@@ -604,6 +611,8 @@ class PrefetchEngine(EngineCore):
         """WAKE_AT for the waiters now: the lowest target, 0 if any has none.
         Each new target is numbered (WAKE_SEQ) before it is set: a post for an
         old one never counts."""
+        if self._released:
+            return
         words = self._control.words
         at = 0 if not self._targets or 0 in self._targets else min(self._targets)
         if at:
@@ -611,13 +620,15 @@ class PrefetchEngine(EngineCore):
         words[WAKE_AT] = at
 
     def _leave(self, at: int) -> None:
-        self._control.words[WAITERS] -= 1
         self._targets.remove(at)
+        if self._released:  # the control block is gone: nobody counts waiters now
+            return
+        self._control.words[WAITERS] -= 1
         self._set_wake_at()
 
     def _count_wake(self, posted: bool, at: int, follower: bool = False) -> None:
         self._wakeups[0 if posted else 1] += 1
-        if not posted or not at or follower:
+        if not posted or not at or follower or self._released:
             return
         if int(self._control.workers[:, PAGES].sum()) < at:
             self._wakeups[2] += 1
@@ -635,18 +646,25 @@ class PrefetchEngine(EngineCore):
             self._pool.close()
 
     def _wake_sleepers(self) -> None:
-        for _ in range(self._sleepers):
+        """The leader (it alone sleeps on the semaphore) and its followers;
+        called by close() with the lock held. A leader on the caller's own
+        thread is interrupted, not asleep: it finds the engine closed."""
+        me = threading.get_ident()
+        if self._leader is not None and self._leader != me:
             self.done_sem.post()
-        self._woken.notify_all()  # the leader's followers (called with the lock held)
+        self._woken.notify_all()
 
     def _forget_resources(self) -> None:
         if getattr(self, "_finalizer", None) is not None:
             self._finalizer.detach()
 
     def _release_shm(self) -> None:
+        # With the pool: normally closed already (_shutdown_io); not when a
+        # close() from a signal handler interrupted that one while it stopped
+        # the workers (hicache_mp.closing), whose rings then go here.
         if getattr(self, "_finalizer", None) is not None:
             self._finalizer.detach()
-        _cleanup(os.getpid(), None, self._segments)
+        _cleanup(os.getpid(), getattr(self, "_pool", None), self._segments)
         self._segments = []
 
     def _num_workers(self) -> int:
@@ -691,6 +709,24 @@ class PrefetchEngine(EngineCore):
             "probes_found": self._discovery.found,
             "shared_pool": self.shared_pool,
         }
+
+
+# RECORD_DTYPE with the digest as one 32-byte field: a record's digest is then
+# one element to numpy, not 32 (its copy loops count elements; shm.gilkeep).
+_RECORD_V32 = np.dtype({"names": list(RECORD_DTYPE.names),
+                        "formats": [RECORD_DTYPE.fields[k][0] if k != "digest" else "V32"
+                                    for k in RECORD_DTYPE.names],
+                        "offsets": [RECORD_DTYPE.fields[k][1] for k in RECORD_DTYPE.names],
+                        "itemsize": RECORD_DTYPE.itemsize})
+
+
+def _records(digests: bytes, kind: int) -> np.ndarray:
+    """Zeroed records of `kind` for 32-byte digests joined end to end."""
+    n = len(digests) // 32
+    recs = gilkeep.zeros(n, _RECORD_V32)
+    gilkeep.assign(recs["digest"], np.frombuffer(digests, dtype="V32"))
+    gilkeep.assign(recs["kind"], kind)
+    return recs.view(RECORD_DTYPE)
 
 
 def shm_bytes(pool_bytes: int, workers: int, ring_capacity: int, evictor: bool) -> int:

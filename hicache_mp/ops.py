@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from shm import gilkeep
 from workers import status as st
 
 READ, WRITE = "read", "write"
@@ -29,7 +30,7 @@ class Op:
         self.host_pages = host_pages
         self.digests = digests
         self.num_pages = len(host_pages)
-        self.page_status = np.zeros(self.num_pages, dtype=np.uint8)
+        self.page_status = gilkeep.zeros(self.num_pages, np.uint8)
         self.worker_of = None
         self.policy = policy
         self.submit_ns = time.perf_counter_ns()
@@ -44,10 +45,10 @@ class Op:
         self.io_ns = 0
         self.ok_pages = 0
         self.page_bytes = page_bytes
-        self.landed_ns = np.zeros(self.num_pages, dtype=np.int64)  # for profiling
+        self.landed_ns = gilkeep.zeros(self.num_pages, np.int64)  # for profiling
         # Engine-wide order in which pages completed (one worker's completions
         # arrive in the order it did them): shows read-over-write priority.
-        self.landed_seq = np.full(self.num_pages, -1, dtype=np.int64)
+        self.landed_seq = gilkeep.full(self.num_pages, -1, np.int64)
         self.pin_slots = None  # set by the engine at submit
         self.device_event = None
 

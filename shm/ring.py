@@ -23,6 +23,7 @@ import platform
 import numpy as np
 import posix_ipc
 
+from .gilkeep import assign, concat, copy
 from .segment import Segment
 
 RECORD_DTYPE = np.dtype([
@@ -106,9 +107,9 @@ class Ring:
                 return 0
             start = tail % self.capacity
             first = min(n, self.capacity - start)
-            self._records[start:start + first] = records[:first]
+            assign(self._records[start:start + first], records[:first])
             if n > first:
-                self._records[:n - first] = records[first:n]
+                assign(self._records[:n - first], records[first:n])
             self._ctr[_TAIL] = tail + n  # publish after the records are written
             return n
         finally:
@@ -130,9 +131,9 @@ class Ring:
             start = head % self.capacity
             first = min(n, self.capacity - start)
             if n > first:
-                out = np.concatenate((self._records[start:], self._records[:n - first]))
+                out = concat((self._records[start:], self._records[:n - first]), RECORD_DTYPE)
             else:
-                out = self._records[start:start + n].copy()
+                out = copy(self._records[start:start + n])
             self._ctr[_HEAD] = head + n  # release the slots only after copying out
             return out
         finally:

@@ -22,12 +22,28 @@ multiprocessing refuses to start children.
 Must not know what a child does, nor what its control words mean beyond
 "this word holds the pid of a ready child".
 """
+import ctypes
+import ctypes.util
 import os
 import subprocess
 import sys
 import time
 
 from shm.names import unlink_names
+
+_LIBC = None
+
+
+def _libc():
+    """libc called with the GIL held (ctypes.PyDLL)."""
+    global _LIBC
+    if _LIBC is None:
+        lib = ctypes.PyDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        lib.waitpid.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+        lib.waitpid.restype = ctypes.c_int
+        _LIBC = lib
+    return _LIBC
+
 
 # How often an idle child looks at its parent; also the longest an orphan lives.
 PARENT_CHECK_S = 0.25
@@ -66,8 +82,22 @@ class Child:
         return self.proc.returncode
 
     def alive(self) -> bool:
-        """False once the child has exited (and been reaped: one waitpid, WNOHANG)."""
-        return self.proc.poll() is None
+        """False once the child has exited (and been reaped: one waitpid, WNOHANG).
+
+        libc's waitpid through ctypes.PyDLL keeps the GIL, where os.waitpid
+        (Popen.poll) gives it up even with WNOHANG: the health check asks
+        about every child ten times a second from the scheduler's threads,
+        and under a busy scheduler each release costs a switch interval."""
+        if self.proc.returncode is not None:
+            return False
+        status = ctypes.c_int(0)
+        got = _libc().waitpid(self.proc.pid, ctypes.byref(status), os.WNOHANG)
+        if got == 0:
+            return True
+        if got == self.proc.pid:
+            self.proc.returncode = os.waitstatus_to_exitcode(status.value)
+            return False
+        return self.proc.poll() is None  # ECHILD or EINTR: let Popen sort it out
 
     def ready(self) -> bool:
         """Non-blocking: has the child said ready? Raises ChildStartError if it died first."""

@@ -94,9 +94,12 @@ READY_PID, BUSY_NS, PAGES, BYTES, WRITTEN, INFLIGHT, READS_SUBMITTED, READS_DONE
     INFLIGHT_KEY = range(_WORKER_FIELDS)
 
 
-def pin_slots(digests: np.ndarray) -> np.ndarray:
-    """Pin-table slots of digests given as an (n, 32) uint8 array."""
-    return np.ascontiguousarray(digests[:, :8]).view("<u8").ravel() % PIN_SLOTS
+def pin_slots(digests: bytes) -> np.ndarray:
+    """Pin-table slots of 32-byte digests joined end to end (each one's first
+    8 bytes, little-endian, modulo the table; pin_slot for one)."""
+    # as intp: a uint64 index array is cast inside numpy's fancy indexing, a
+    # loop that may let the GIL go (shm.gilkeep)
+    return (np.frombuffer(digests, dtype="<u8")[::4] % PIN_SLOTS).astype(np.intp)
 
 
 def pin_slot(digest: bytes) -> int:

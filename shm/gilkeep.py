@@ -1,0 +1,128 @@
+"""Array steps that keep the GIL: what the scheduler's threads do per batch.
+
+Owns the few numpy operations the engine runs on a caller's thread (record
+building, ring copies, the pin table, duplicate checks), done so that none
+lets the GIL go. Must not sleep, block or do I/O.
+
+Why: under a scheduler loop that holds the GIL (a pure-Python batch
+builder), a thread that gives the GIL up waits up to a whole switch interval
+(5 ms) to win it back. numpy gives it up inside its loops: always in
+`ufunc.at`, sorts and `np.unique` (whatever the size), and in copies, casts,
+fills and fancy-index stores over more than 500 elements
+(NPY_BEGIN_THREADS_THRESHOLDED), around the calloc of `np.zeros` from 1 KiB
+up, and in a fancy index given as uint64 (its cast). So: no `ufunc.at`, sort or unique here;
+duplicates are found with a Python set (C, GIL held); bulk copies are
+`memoryview` slice assignments (one memcpy, GIL held); and fancy-index
+steps go in chunks of `CHUNK` elements. tests/test_gil_hold.py checks the
+engine's calls for any release, on whatever numpy is installed.
+"""
+import collections
+
+import numpy as np
+
+CHUNK = 256  # elements per numpy step: under numpy's 500-element threshold
+# np.arange's fill lets the GIL go whatever the length: slices of this instead
+_IOTA = np.arange(1 << 16, dtype=np.int64)
+_IOTA.flags.writeable = False
+
+
+def iota(n: int, start: int = 0) -> np.ndarray:
+    """np.arange(start, start + n) as int64 (a new array only past 65536)."""
+    if n > len(_IOTA):
+        return np.arange(start, start + n, dtype=np.int64)
+    return _IOTA[:n] + start if start else _IOTA[:n]
+
+
+def zeros(n: int, dtype) -> np.ndarray:
+    """A zeroed, writable array: bytearray's calloc, GIL held (numpy's
+    np.zeros lets the GIL go around its calloc from 1 KiB up)."""
+    dtype = np.dtype(dtype)
+    return np.frombuffer(bytearray(n * dtype.itemsize), dtype=dtype)
+
+
+def copy(src: np.ndarray) -> np.ndarray:
+    """A contiguous copy of a 1-D array (one memcpy)."""
+    src = np.ascontiguousarray(src) if not src.flags.c_contiguous else src
+    out = np.frombuffer(bytearray(src.nbytes), dtype=src.dtype)
+    put_bytes(out, src)
+    return out
+
+
+def put_bytes(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[:] = src for contiguous arrays of the same dtype and length (memcpy)."""
+    memoryview(dst).cast("B")[:] = memoryview(src).cast("B")
+
+
+def concat(parts, dtype) -> np.ndarray:
+    """np.concatenate of contiguous 1-D arrays, by memcpy."""
+    n = sum(len(p) for p in parts)
+    out = np.frombuffer(bytearray(n * np.dtype(dtype).itemsize), dtype=dtype)
+    at = 0
+    for p in parts:
+        put_bytes(out[at:at + len(p)], np.ascontiguousarray(p))
+        at += len(p)
+    return out
+
+
+def assign(dst: np.ndarray, src) -> None:
+    """dst[:] = src (an array of any strides, or a scalar), in chunks."""
+    n = len(dst)
+    if n <= CHUNK:
+        dst[:] = src
+        return
+    scalar = np.ndim(src) == 0
+    for a in range(0, n, CHUNK):
+        dst[a:a + CHUNK] = src if scalar else src[a:a + CHUNK]
+
+
+def full(n: int, value, dtype) -> np.ndarray:
+    """np.full without numpy's allocator (it lets the GIL go around calloc
+    from 1 KiB up) or an unchunked fill."""
+    out = zeros(n, dtype)
+    if value:
+        assign(out, value)
+    return out
+
+
+def repeats(values) -> bool:
+    """Does the 1-D int array or list hold a value twice?"""
+    lst = values.tolist() if isinstance(values, np.ndarray) else list(values)
+    return len(set(lst)) != len(lst)
+
+
+def set_at(table: np.ndarray, idx: np.ndarray, value) -> None:
+    """table[idx] = value, in chunks."""
+    n = len(idx)
+    if n <= CHUNK:
+        table[idx] = value
+        return
+    scalar = np.ndim(value) == 0
+    for a in range(0, n, CHUNK):
+        table[idx[a:a + CHUNK]] = value if scalar else value[a:a + CHUNK]
+
+
+def take(table: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """table[idx], in chunks."""
+    n = len(idx)
+    if n <= CHUNK:
+        return table[idx]
+    return concat([table[idx[a:a + CHUNK]] for a in range(0, n, CHUNK)], table.dtype)
+
+
+def add_at(table: np.ndarray, idx: np.ndarray, delta: int) -> None:
+    """np.add.at(table, idx, delta): an index given k times adds k * delta."""
+    lst = idx.tolist()
+    step = np.asarray(abs(delta), dtype=table.dtype)
+    if len(set(lst)) == len(lst):
+        keys, times = idx, None
+    else:  # Counter's loop is C (collections._count_elements): GIL held
+        counts = collections.Counter(lst)
+        keys = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+        times = np.fromiter(counts.values(), dtype=np.int64, count=len(counts))
+    for a in range(0, len(keys), CHUNK):
+        part = keys[a:a + CHUNK]
+        amount = step if times is None else (times[a:a + CHUNK] * abs(delta)).astype(table.dtype)
+        if delta >= 0:
+            table[part] += amount
+        else:
+            table[part] -= amount
