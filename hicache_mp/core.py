@@ -190,9 +190,12 @@ class EngineCore(Closing):
         """
         self._check_open()
         try:
-            return self._exists(keys, wait_s)
+            n = self._exists(keys, wait_s)
         except Exception as exc:
             raise self._closed_during("exists()", exc)
+        if self._closed:
+            raise EngineClosed("engine was closed during exists()")
+        return n
 
     def _exists(self, keys, wait_s: float) -> int:
         if not isinstance(keys, (list, tuple)):
@@ -360,9 +363,11 @@ class EngineCore(Closing):
                 if self.config.rescan_interval_s and \
                         time.monotonic() - self._last_rescan > self.config.rescan_interval_s:
                     self._start_rescan()
-                return n
         except Exception as exc:
             raise self._closed_during("poll()", exc)
+        if self._closed:  # a signal handler closed it under this call
+            raise EngineClosed("engine was closed during poll()")
+        return n
 
     def wait(self, op: Op, timeout_s: float | None = None) -> bool:
         """Block (GIL released) until `op` is done (True) or the timeout passes (False).
@@ -378,7 +383,7 @@ class EngineCore(Closing):
                 if self._closed:  # its pool may be gone: a caller must not read the slots
                     raise EngineClosed(f"engine is closed; the op ended {op.status}")
                 self.poll()
-                if op.done:
+                if op.done and not self._closed:
                     return True
                 left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S,
                                                                  deadline - time.monotonic())

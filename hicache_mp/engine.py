@@ -645,6 +645,24 @@ class PrefetchEngine(EngineCore):
                     self._drain_ring(handle.completion)
             self._pool.close()
 
+    def _nudge_io(self) -> None:
+        """One post per worker: records a signal handler's close() caught
+        half-handed-out (pushed, not yet posted) are taken by the flush."""
+        if self._pool is None or self._pool.closed:
+            return
+        for handle in self._pool.workers:
+            if not handle.rings_closed:
+                handle.wake.post()
+
+    def _io_idle(self) -> bool:
+        if self._pool is None or self._pool.closed:
+            return True
+        for handle in self._pool.workers:
+            if not handle.rings_closed and (handle.submit.depth() or handle.write.depth() or
+                                            handle.completion.pending()):
+                return False
+        return not self._control.heartbeat[:len(self._pool.workers)].any()
+
     def _wake_sleepers(self) -> None:
         """The leader (it alone sleeps on the semaphore) and its followers;
         called by close() with the lock held. A leader on the caller's own

@@ -10,10 +10,12 @@ Page `p` is, in part order, the run ``[offset + p * stride, stride)`` of each
 part's region; that order is the pool's flat page order, so the page file
 holds the same bytes whichever way it was moved. Must not know what the bytes
 mean, import torch, or create, resize or unlink a region (their owner does).
+Closed, it raises `closed_error` on every way into the bytes, as HostPool does.
 """
 import os
 from dataclasses import dataclass
 
+from .hostpool import PoolClosed
 from .segment import Segment
 
 
@@ -53,12 +55,15 @@ def region_sizes(parts, num_pages: int) -> dict[int, int]:
 
 
 class PartPool:
-    def __init__(self, parts, num_pages: int, *, name: str, populate: bool = True):
+    def __init__(self, parts, num_pages: int, *, name: str, populate: bool = True,
+                 closed_error: type[Exception] = PoolClosed):
         if not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"host pool needs a positive page count, got {num_pages!r}")
         self.parts = check_parts(parts, num_pages)
         self.num_pages = num_pages
         self.name = name
+        self.closed_error = closed_error
+        self._closed = False
         self._segments, self._views = [], {}
         try:
             for i, (fd, size) in enumerate(region_sizes(self.parts, num_pages).items()):
@@ -84,17 +89,29 @@ class PartPool:
 
     def page_iovecs(self, page: int) -> list[memoryview]:
         """Writable byte views of `page`, part by part, for one preadv/pwritev."""
+        if self._closed:
+            raise self.closed_error(f"host pool {self.name} is closed")
         return [mv[off + page * stride:off + (page + 1) * stride]
                 for mv, off, stride in self._runs]
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def check_page(self, page: int) -> None:
+        if self._closed:
+            raise self.closed_error(f"host pool {self.name} is closed")
         if not 0 <= page < self.num_pages:
             raise ValueError(f"host page {page} out of range [0, {self.num_pages})")
 
     def close(self) -> None:
+        self._closed = True
         self._runs = []
         for mv in self._views.values():
-            mv.release()
+            try:
+                mv.release()
+            except BufferError:
+                pass  # iovecs still out: that mapping stays until they go
         self._views = {}
         for seg in self._segments:
             seg.close()

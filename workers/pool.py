@@ -166,7 +166,9 @@ class WorkerPool:
         self.starting: list[WorkerHandle] = []   # replacements not ready yet
         self.dying: list[WorkerHandle] = []      # stuck workers killed, not reaped yet
         self.closed = False
-        self._lock = threading.Lock()
+        # Reentrant: close() may run in a signal handler that interrupted
+        # this thread inside check() or broken (hicache_mp.closing).
+        self._lock = threading.RLock()
         self._broken: str | None = None
         self._start_failures = [0] * num_workers
         try:
