@@ -17,6 +17,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from workers.control import MAX_WORKERS
 from workers.store import normalize_spec
 
+from .nodeshare import SCHEDULER_CORES
+
 MAX_IO_DEPTH = 32  # lanes per worker: a bound against typos; depth 4 already never beat 2 (decision 19)
 
 POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -33,7 +35,6 @@ def auto_workers() -> int:
     """Physical cores less what one engine keeps for its scheduler's process
     (hicache_mp.nodeshare.SCHEDULER_CORES), at least one."""
     import psutil
-    from .nodeshare import SCHEDULER_CORES
     cores = psutil.cpu_count(logical=False) or psutil.cpu_count() or 2
     return max(1, cores - SCHEDULER_CORES)
 

@@ -7,6 +7,8 @@ and these objects only record and answer.
 import collections
 import time
 
+from workers.timing import BACKOFF_S, DEVICE_WAIT_SLICE_S
+
 from .device_cuda import DONE
 
 
@@ -92,9 +94,9 @@ class LoadHandle:
             if self.all_issued:
                 self.event.synchronize()
             elif loader.engine is not None:
-                loader.engine.wait(self.op, 0.002)  # short slices: load pages as they land
+                loader.engine.wait(self.op, DEVICE_WAIT_SLICE_S)  # load pages as they land
             else:
-                time.sleep(0.0005)  # someone else polls the engine
+                time.sleep(BACKOFF_S)  # someone else polls the engine
 
     def _issued_batch(self, end: int, event, layer_events) -> None:
         self.issued = end

@@ -15,8 +15,8 @@ the scheduler's process, and still late. Why not a stat in exists(): it is a
 metadata round trip on the scheduler's thread, per missing key, and on a
 network filesystem that is milliseconds each (decision 29).
 """
-PROBE_TTL_S = 0.25
-ANSWER_LOST_S = 2.0
+from workers.timing import ANSWER_LOST_S, PROBE_TTL_S
+
 # Keys probed per exists() call: a whole prefix another engine wrote must be
 # found in one call, because SGLang's hit query stops at the first short answer
 # and a hybrid model's trailing-page rule needs the prefix's last page (at 64,

@@ -28,8 +28,9 @@ import os
 import secrets
 import time
 
+from workers.timing import LEASE_S
+
 LEASE_NAME = ".evict-lease"
-LEASE_S = 10.0
 
 
 class Lease:

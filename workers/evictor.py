@@ -74,6 +74,7 @@ from workers.child import PARENT_CHECK_S, Child, ParentWatch, child_main, orphan
     wait_ready
 from workers.records import KIND_EVICT
 from workers.stores import open_store
+from workers.timing import EVICT_REPORT_POLL_S, EVICT_REPORT_WAIT_S, FUTURE_SLACK_S, STOP_GRACE_S
 from workers.control import EVICTOR_PID, MAX_BYTES, MIN_FREE, STOP, STORE_BASE, WRITTEN, \
     WRITTEN_AT_SCAN, Control, pin_slot
 
@@ -198,18 +199,16 @@ class Evictor:
 
     def _room_to_report(self) -> bool:
         """Every removal is reported (the index must forget it): wait briefly for room."""
-        deadline = time.monotonic() + 1.0
+        deadline = time.monotonic() + EVICT_REPORT_WAIT_S
         while self.ring.free() == 0:
             if time.monotonic() > deadline or self.control.stopping():
                 return False
-            time.sleep(0.005)
+            time.sleep(EVICT_REPORT_POLL_S)
         return True
 
 
-# A stamp further ahead of this clock than this is not a last access: the
-# clock went back, or the file came with a time from elsewhere. Slack for
-# clocks of hosts sharing a network filesystem that differ by seconds.
-FUTURE_SLACK_S = 60.0
+# FUTURE_SLACK_S: a stamp further ahead of this clock than that is not a last
+# access: the clock went back, or the file came with a time from elsewhere.
 
 
 def eviction_order(pages: list, now_ns: int) -> list:
@@ -281,7 +280,7 @@ class EvictorProcess:
             self.evicted_bytes += int(recs["io_ns"].sum())
         return recs
 
-    def close(self, grace_s: float = 2.0) -> None:
+    def close(self, grace_s: float = STOP_GRACE_S) -> None:
         if self.child is not None:
             self.control.words[STOP] = 1
             try:

@@ -41,8 +41,8 @@ import time
 from workers import directio, naming, pagefile, status, tmpfiles
 from workers.fileio import pieces, preadv_full, pwritev_full
 from workers.store import DIR_MODE, Page, PageStore, Scan, StoreIO, free_bytes
+from workers.timing import TOUCH_INTERVAL_S
 
-TOUCH_INTERVAL_S = 1.0
 _TOUCH_MEMORY = 1 << 16  # digests remembered for that rate limit, then forgotten
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _SUB_FLAGS = _DIR_FLAGS | os.O_NOFOLLOW

@@ -27,8 +27,7 @@ import secrets
 import socket
 
 from workers.naming import TMP_MARK
-# No page write takes an hour; a foreign writer's temp file this old is dead.
-FOREIGN_TMP_STALE_S = 3600.0
+from workers.timing import FOREIGN_TMP_STALE_S
 
 _ident: tuple[int, str, str] | None = None  # (pid, owner, token), rebuilt after fork
 

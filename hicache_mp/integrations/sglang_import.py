@@ -26,6 +26,7 @@ from workers import naming
 from workers import status as st
 
 from ..config import EngineConfig
+from ..engine import PrefetchEngine
 from .sglang_layouts import RAW_LAYOUTS, flat_page_view
 from .sglang_names import SGLangShard
 
@@ -76,8 +77,6 @@ def import_sglang_store(src: str, dst: str, geometry: PageGeometry, src_layout: 
                         progress=None) -> ImportReport:
     """Convert every page of `shards` found in `src` into the store at `dst`."""
     import torch
-
-    from ..engine import PrefetchEngine
 
     if src_layout not in RAW_LAYOUTS:
         raise ValueError(f"layout must be one of {RAW_LAYOUTS}, got {src_layout!r}")

@@ -1,0 +1,101 @@
+"""Every fixed interval of the engine, its workers and its store, and how they relate.
+
+Owns the numbers only. Must not import anything: it is the lowest module
+both `hicache_mp` and `workers` import. What an operator may tune is an
+`EngineConfig` setting instead (stall_timeout_s, eviction_interval_s,
+worker_start_timeout_s, io_timeout_s, ...); these are the intervals those
+settings are built on. Modules import the names they use, so each name
+stays readable (and patchable) where it is used.
+
+The scheduler's side, shortest first. A waiter sleeps on a semaphore that a
+worker posts; each expiry costs the waiter the GIL back once, so the sleeps
+are as long as correctness allows and the caps are only for what no post
+announces:
+
+    NO_TARGET_CAP_S    5 ms   a waiter on no op (a post after every completion)
+    DEVICE_WAIT_SLICE_S 2 ms  a device load waits on its engine in slices this
+                              short, so it copies pages to the GPU as they land
+    PROBE_WAIT_SLICE_S 50 ms  exists(wait_s): between looks at the probe answers
+    HEALTH_CHECK_S     0.1 s  poll() looks at the workers' health at most this often
+    TARGET_CAP_S       0.2 s  a waiter on an op: a post ends it when its pages are
+                              done; the cap covers a worker that dies mid-batch
+    WAIT_SLICE_S       0.2 s  wait()'s longest sleep before it polls again, so a
+                              dead worker or a closed engine is seen within
+                              WAIT_SLICE_S + HEALTH_CHECK_S
+    PROBE_TTL_S        0.25 s a key probed is not probed again this soon: a
+                              scheduler asking in a loop costs one stat per key
+                              per PROBE_TTL_S
+    ABANDON_GRACE_S    1 s    abandon(): time for workers to skip a cancelled
+                              op's pages before its slots are taken back (the
+                              SGLang adapter: at most its io_timeout_s)
+    ANSWER_LOST_S      2 s    a probe unanswered this long went with a dead
+                              worker: not waited for (PROBE_TTL_S lets it be
+                              asked again long before)
+    CLOSE_SLEEPERS_S   5 s    close() waits this long for sleeping waiters to
+                              leave their semaphore before it is closed
+
+The worker's side (the same clock, in each worker process):
+
+    BACKOFF_S          0.5 ms the shortest sleep, while another party must act
+                              first: a full completion ring (the scheduler drains
+                              it), a device load whose engine another thread polls
+    DEFER_POLL_S       2 ms   a worker with a deferred write looks again (no one
+                              posts it when another worker's reads finish)
+    CHILD_READY_POLL_S 2 ms   the parent looks for its children's ready words
+    PARENT_CHECK_S     0.25 s an idle child looks at its parent: also the longest
+                              an orphan lives
+    WRITE_DEFER_MAX_S  0.5 s  a write deferred for reads elsewhere goes anyway:
+                              the backstop against starving backups
+    SLOW_IO_S          0.5 s  a page I/O older than this no longer holds back
+                              other workers' writes, so one stuck read does not
+                              stop every backup; far below stall_timeout_s, after
+                              which such a worker is killed
+    CREDIT_CAP_NS      1 s    of write time: the most credit reads can bank for
+                              writes (workers.share)
+
+The store's side (wall-clock file times, shared with other hosts):
+
+    TOUCH_INTERVAL_S   1 s    a page's LRU stamp is renewed at most this often
+                              per process: order at a coarse grain
+    EVICT_REPORT_WAIT_S 1 s   the evictor waits this long for room to report a
+                              removal (polling every EVICT_REPORT_POLL_S, 5 ms)
+    STOP_GRACE_S       2 s    a child asked to stop has this long before SIGKILL
+    LEASE_S            10 s   the eviction lease expires this long after its
+                              holder's last refresh, so a dead holder is replaced
+                              with no pid check (meaningless on another node)
+    FUTURE_SLACK_S     60 s   a page stamp further ahead than this is not a last
+                              access: hosts' clocks on one network filesystem
+                              differ by seconds, not minutes
+    FOREIGN_TMP_STALE_S 1 h   a temp file of another host's writer this old is
+                              dead: no page write takes an hour
+"""
+
+# --- the scheduler's side ---------------------------------------------------------
+NO_TARGET_CAP_S = 0.005
+DEVICE_WAIT_SLICE_S = 0.002
+PROBE_WAIT_SLICE_S = 0.05
+HEALTH_CHECK_S = 0.1
+TARGET_CAP_S = 0.2
+WAIT_SLICE_S = 0.2
+PROBE_TTL_S = 0.25
+ABANDON_GRACE_S = 1.0
+ANSWER_LOST_S = 2.0
+CLOSE_SLEEPERS_S = 5.0
+
+# --- the worker's side ------------------------------------------------------------
+BACKOFF_S = 0.0005
+DEFER_POLL_S = 0.002
+CHILD_READY_POLL_S = 0.002
+PARENT_CHECK_S = 0.25
+WRITE_DEFER_MAX_S = 0.5
+SLOW_IO_S = 0.5
+CREDIT_CAP_NS = 1_000_000_000
+
+# --- the store's side -------------------------------------------------------------
+TOUCH_INTERVAL_S = 1.0
+EVICT_REPORT_WAIT_S = 1.0
+EVICT_REPORT_POLL_S = 0.005
+STOP_GRACE_S = 2.0
+LEASE_S = 10.0
+FUTURE_SLACK_S = 60.0
+FOREIGN_TMP_STALE_S = 3600.0
