@@ -66,21 +66,42 @@ class GilTracer:
         self.records = []     # (round, call name, call id, kind, site, what, seconds)
         self.call_counts = collections.Counter()   # (round, backend call) -> calls
         self._round = None
+        self.armed = False
         self._states: dict[int, _ThreadState] = {}
         self._ids = 0
         self._lock = threading.Lock()
 
     # --- lifecycle ---------------------------------------------------------------
     def install(self) -> "GilTracer":
+        """Watch every thread started from now on (armed)."""
         threading.setprofile(self._profile)
+        self.armed = True
         return self
+
+    def disarm(self) -> None:
+        """Stop recording, for rounds that are timed: on Python 3.12+ the profile
+        function leaves every thread (threading.setprofile_all_threads) and
+        `arm()` puts it back; before 3.12 it stays, and returns at once."""
+        self.armed = False
+        if hasattr(threading, "setprofile_all_threads"):
+            threading.setprofile_all_threads(None)
+
+    def arm(self) -> None:
+        self.armed = True
+        for st in self._states.values():
+            st.ccalls.clear()
+            st.last = None
+        if hasattr(threading, "setprofile_all_threads"):
+            threading.setprofile_all_threads(self._profile)
+
+    @property
+    def zero_cost_disarm(self) -> bool:
+        return hasattr(threading, "setprofile_all_threads")
 
     def uninstall(self) -> None:
         threading.setprofile(None)
-        # threads already running keep their profile function until they make a
-        # new one: disarm it
+        self.disarm()
         self._round = None
-        self._disarmed = True
 
     def round(self, label: str):
         tracer = self
@@ -95,8 +116,10 @@ class GilTracer:
 
     # --- the profile function (runs on every watched thread) ----------------------
     def _profile(self, frame, event, arg):
+        if not self.armed:
+            return
         ident = threading.get_ident()
-        if ident in self.skip or getattr(self, "_disarmed", False):
+        if ident in self.skip:
             sys.setprofile(None)
             return
         now = time.perf_counter()
@@ -130,7 +153,10 @@ class GilTracer:
 
     def _gap(self, st, frame, now):
         if st.last is not None and now - st.last > self.gap_s and self._round is not None:
-            self._record(st, "gap", _site(frame), "", now - st.last)
+            up = frame.f_back
+            callers = " < ".join(_site(f) for f in (up, up and up.f_back) if f is not None)
+            self._record(st, "gap", _site(frame), f"< {callers}" if callers else "",
+                         now - st.last)
         st.last = now
 
     def _record(self, st, kind, site, what, seconds):

@@ -42,6 +42,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import sglang_real as R  # noqa: E402
+from giltrace import GilTracer, table as trace_table  # noqa: E402
 
 _rid = itertools.count()
 
@@ -267,6 +268,25 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
+class _NoTrace:
+    """Stands in for GilTracer with --no-trace."""
+
+    def round(self, label):
+        return contextlib.nullcontext()
+
+
+TRACE = _NoTrace()
+ROUNDS: dict = {}  # trace label -> rounds run under it
+
+
+def traced(label: str):
+    """A round under `label`: counted and traced while the tracer is armed."""
+    if getattr(TRACE, "armed", False):
+        ROUNDS[label] = ROUNDS.get(label, 0) + 1
+        return TRACE.round(label)
+    return contextlib.nullcontext()
+
+
 def run_backend(sgl, backend, args, root, floor: "Stack | None" = None) -> dict:
     """One backend's rounds. `floor`: a no-bytes stack whose busy round runs
     right after each of this backend's, so the floor is measured in the same
@@ -293,20 +313,38 @@ def run_backend(sgl, backend, args, root, floor: "Stack | None" = None) -> dict:
                 if mode == "busy_switch":
                     sys.setswitchinterval(args.switch_interval_ms / 1000)
                 try:
-                    t, done = s.read(sched)
+                    with traced(f"{backend}:{mode}"):
+                        t, done = s.read(sched)
                 finally:
                     sys.setswitchinterval(old)
                 if done != len(s.tokens):
                     out.setdefault("short_reads", 0)
                     out["short_reads"] = out["short_reads"] + 1
                 modes[mode].append(t)
+                if floor is not None and mode in ("idle", "busy"):
+                    # the no-bytes floor's round of the same mode, right after this one
+                    fs = Scheduler(mode == "busy")
+                    with traced(f"nobytes-floor:{mode}"):
+                        out.setdefault(f"floor_{mode}_s", []).append(floor.read(fs)[0])
+                    if mode == "busy":
+                        out.setdefault("floor_loop_rate", []).append(fs.rate())
                 if mode == "busy":
                     rates.append(sched.rate())
                     handoffs.append((sched.handoffs, sched.handoff_s))
-                    if floor is not None:
-                        out.setdefault("floor_busy_s", []).append(floor.read(Scheduler(True))[0])
                 elif mode == "busy_switch":
                     out.setdefault("loop_rate_switch", []).append(sched.rate())
+        if args.trace and args.trace_runs:
+            # traced rounds after the timed ones: the tracer's own Python on
+            # SGLang's threads stays out of the timings
+            TRACE.arm()
+            for _ in range(args.trace_runs):
+                for mode in ("idle", "busy"):
+                    with traced(f"{backend}:{mode}"):
+                        s.read(Scheduler(mode == "busy"))
+                    if floor is not None:
+                        with traced(f"nobytes-floor:{mode}"):
+                            floor.read(Scheduler(mode == "busy"))
+            TRACE.disarm()
         for mode, ts in modes.items():
             out[f"{mode}_s"] = ts
             out[f"{mode}_median_s"] = median(ts)
@@ -320,6 +358,8 @@ def run_backend(sgl, backend, args, root, floor: "Stack | None" = None) -> dict:
                                             "leftover_taken": (w1[3] - w0[3]) / calls}
         out["busy_over_idle"] = out["busy_median_s"] and out["idle_median_s"] / out["busy_median_s"]
         out["loop_rate_busy"] = median(rates)
+        if calls and args.runs:  # batch_get_v1 calls per read round (the warm-up not counted)
+            out["batch_get_per_round"] = calls / (args.runs * len(modes))
         out["handoffs_per_round"] = median([h for h, _ in handoffs])
         out["handoff_s_per_round"] = median([t for _, t in handoffs])
         for k in ("loop_rate_switch",):
@@ -404,18 +444,25 @@ def injector_run(sgl, args, root) -> dict:
 def summary(res: dict) -> dict:
     b = {r["backend"]: r for r in res["backends"]}
     out = {}
-    if "mp" in b and "nobytes" in b:
-        mp, nb = b["mp"], b["nobytes"]
-        floor_s = median(mp["floor_busy_s"]) if mp.get("floor_busy_s") else nb["busy_median_s"]
-        out["mp_busy_minus_floor_over_idle"] = (mp["busy_median_s"] - floor_s) / mp["idle_median_s"]
-        out["nobytes_busy_s"] = floor_s
-        if mp.get("floor_busy_s"):
-            # per run: that run's idle, busy and floor rounds, taken minutes apart at most
-            out["mp_busy_minus_floor_over_idle_per_run"] = median(
-                [(b_ - f) / i for i, b_, f in zip(mp["idle_s"], mp["busy_s"], mp["floor_busy_s"])])
-        # the GIL hand-offs the backend adds to a round beyond SGLang's own
-        out["mp_handoffs_over_floor"] = mp["handoffs_per_round"] - nb["handoffs_per_round"]
-        out["nobytes_handoffs_per_round"] = nb["handoffs_per_round"]
+    if "mp" in b and b["mp"].get("floor_busy_s"):
+        # Direct figures, each measured in this run: busy / idle GB/s and ms
+        # over idle per round, for mp and for the no-bytes floor beside it
+        # (whose rounds ran right after mp's, same mode).
+        mp = b["mp"]
+        f_idle, f_busy = median(mp["floor_idle_s"]), median(mp["floor_busy_s"])
+        gets = mp.get("batch_get_per_round") or 1
+        out["mp_busy_over_idle"] = mp["busy_over_idle"]
+        out["mp_ms_over_idle_per_round"] = (mp["busy_median_s"] - mp["idle_median_s"]) * 1e3
+        out["floor_busy_over_idle"] = f_idle / f_busy
+        out["floor_idle_ms"], out["floor_busy_ms"] = f_idle * 1e3, f_busy * 1e3
+        out["floor_ms_over_idle_per_round"] = (f_busy - f_idle) * 1e3
+        # the backend's own cost of a busy scheduler, per batch_get call
+        own = [((bu - i) - (fb - fi)) * 1e3 / gets for i, bu, fi, fb in
+               zip(mp["idle_s"], mp["busy_s"], mp["floor_idle_s"], mp["floor_busy_s"])]
+        out["mp_own_ms_per_batch_get"] = median(own)
+        out["mp_own_ms_per_batch_get_runs"] = own
+        out["batch_get_per_round"] = gets
+        out["loop_rate_mp_over_floor"] = mp["loop_rate_busy"] / median(mp["floor_loop_rate"])
     if "mp" in b and "busy_switch_median_s" in b["mp"]:
         mp = b["mp"]
         out["mp_switch_over_idle"] = mp["idle_median_s"] / mp["busy_switch_median_s"]
@@ -458,6 +505,11 @@ def parse(argv=None):
     ap.add_argument("--timeout-s", type=float, default=120)
     ap.add_argument("--store", default=None, help="directory for the stores (default: a temp dir)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-trace", dest="trace", action="store_false",
+                    help="skip the GIL tracer (scripts/giltrace.py: C calls over 1 ms and gaps "
+                         "over 2 ms on SGLang's threads, per round and per backend call)")
+    ap.add_argument("--trace-runs", type=int, default=3,
+                    help="traced rounds per mode after the timed ones (mp and the floor)")
     args = ap.parse_args(argv)
     if any("=" not in kv for kv in args.mp_key):
         ap.error("--mp-key takes KEY=VALUE")
@@ -474,6 +526,10 @@ def parse(argv=None):
 
 def main(argv=None) -> dict:
     args = parse(argv)
+    global TRACE
+    if args.trace:  # before SGLang's threads start: threading.setprofile reaches new threads only
+        TRACE = GilTracer().install()
+        TRACE.disarm()
     import torch
     sgl = R.import_stack()
     res = {"device": "cuda" if torch.cuda.is_available() else "cpu", "args": vars(args),
@@ -496,6 +552,14 @@ def main(argv=None) -> dict:
         if args.inject_rounds:
             res["injector"] = injector_run(sgl, args, root)
             print(json.dumps({"injector": res["injector"]}), flush=True)
+    if args.trace:
+        TRACE.uninstall()
+        res["gil_trace"] = TRACE.report(ROUNDS)
+        print("| round | backend call | calls | C calls > 1 ms per call | gaps > 2 ms per call "
+              "| ms per call | top site |", flush=True)
+        for label in res["gil_trace"]:
+            for row in trace_table(res["gil_trace"], label):
+                print(row, flush=True)
     res["summary"] = summary(res)
     print(json.dumps({"summary": res["summary"]}, indent=1), flush=True)
     if args.json:

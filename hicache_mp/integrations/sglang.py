@@ -220,6 +220,11 @@ def host_indices_numpy(host_indices) -> np.ndarray:
     return np.asarray(host_indices)
 
 
+def _leading(n: int, total: int) -> list[bool]:
+    """SGLang's per-key answer for a leading run of `n` of `total` (no per-key Python)."""
+    return [True] * n + [False] * (total - n)
+
+
 class HiCacheMP(HiCacheStorage):
     """hicache_mp as an SGLang HiCache storage backend (see the module docstring).
 
@@ -358,7 +363,7 @@ class HiCacheMP(HiCacheStorage):
         else:
             ok = self._staged_get(keys, pages)
         self._record("prefetch", ok, t0)
-        return [i < ok for i in range(len(keys))]
+        return _leading(ok, len(keys))
 
     def batch_set_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
         keys = list(keys)
@@ -366,12 +371,14 @@ class HiCacheMP(HiCacheStorage):
             return []
         pages = self._host_pages(keys, host_indices)
         eng = self.engine
-        present = eng.present(keys)
-        todo = [i for i, p in enumerate(present) if not p]
-        ok = np.array(present, dtype=bool)
+        ok = eng.present(keys)
         t0 = time.perf_counter()
-        if todo:
-            tkeys, tpages = [keys[i] for i in todo], pages[todo]
+        todo = None if ok.all() else np.flatnonzero(~ok)
+        if todo is not None:
+            if len(todo) == len(keys):
+                tkeys, tpages = keys, pages
+            else:
+                tkeys, tpages = [keys[i] for i in todo.tolist()], pages[todo]
             if self.zero_copy:
                 op = eng.backup(tkeys, tpages)
                 self._wait_on(eng, op)
@@ -380,8 +387,8 @@ class HiCacheMP(HiCacheStorage):
                 done = self._staged_set(tkeys, tpages)
             ok[todo] = done
         lead = len(keys) if ok.all() else int(np.argmin(ok))
-        self._record("backup", len(todo) if lead == len(keys) else 0, t0)
-        return [i < lead for i in range(len(keys))]
+        self._record("backup", (0 if todo is None else len(todo)) if lead == len(keys) else 0, t0)
+        return _leading(lead, len(keys))
 
     def _host_pages(self, keys, host_indices) -> np.ndarray:
         self._need_engine()

@@ -23,15 +23,16 @@ SMALL = ["--round-mib", "2", "--page-mib", "0.125", "--layers", "2", "--heads", 
 
 
 def test_real_stack_moves_exact_bytes(tmp_path):
-    res = sglang_stack.main([*SMALL, "--runs", "1", "--inject-rounds", "0",
+    res = sglang_stack.main([*SMALL, "--runs", "1", "--inject-rounds", "0", "--trace-runs", "1",
                              "--store", str(tmp_path), "--json", str(tmp_path / "r.json")])
     b = {r["backend"]: r for r in res["backends"]}
     assert set(b) == {"nobytes", "mp", "file"}
     for name in ("mp", "file"):
         r = b[name]
         assert r["write_ok"] and r["read_with_write_ok"] and r["write_during_read_ok"], r
-        # warm-up + idle + busy + the read during a write: every page compared
-        assert r["checked_pages"] == 4 * r["pages"] and r["wrong_pages"] == 0, r
+        # warm-up + idle + busy + a traced idle and busy + the read during a
+        # write: every page compared
+        assert r["checked_pages"] == 6 * r["pages"] and r["wrong_pages"] == 0, r
         assert "short_reads" not in r
     # hicache_mp took SGLang's zero-copy v1 path; file the generic one
     assert b["mp"]["calls"]["batch_get_v1"] > 0 and b["mp"]["calls"]["batch_get"] == 0
@@ -40,6 +41,11 @@ def test_real_stack_moves_exact_bytes(tmp_path):
     # the engine's sleeps per batch (GIL hand-backs) are measured and printed
     w = b["mp"]["wakeups_per_batch_get"]
     assert w["posted"] >= 0 and w["timeout_5ms"] >= 0 and "wakeups_per_batch_get" not in b["file"]
+    # the GIL tracer saw SGLang's threads call the backend, per round and call
+    trace = res["gil_trace"]
+    assert trace["mp:busy"]["by_call"]["batch_get_v1"]["calls"] >= 1
+    assert trace["nobytes-floor:busy"]["by_call"]["batch_get_v1"]["calls"] >= 1
+    assert res["summary"]["mp_own_ms_per_batch_get"] is not None
     assert (tmp_path / "r.json").stat().st_size > 0
     assert not list(tmp_path.glob("hicache_mp-stack-*")), "the stores are removed"
 
