@@ -46,7 +46,7 @@ def _dev(device):
 
 
 def mha_pool(S, *, layout, layers=2, heads=2, head_dim=16, page_size=4, tokens=32,
-             dtype=torch.bfloat16, device=None):
+             dtype=torch.bfloat16, device=None, allocator="shm"):
     """MHATokenToKVPoolHost of 2 * `tokens` host tokens (plus SGLang's padding
     page) over a one-page device buffer (on the GPU where there is one),
     "allocator": "shm"."""
@@ -62,13 +62,13 @@ def mha_pool(S, *, layout, layers=2, heads=2, head_dim=16, page_size=4, tokens=3
         dtype=dtype, device=k[0].device)
     return S.MHATokenToKVPoolHost(info, 1.0, 0, page_size, layout,
                                   pin_memory=device == "cuda", device="cpu",
-                                  allocator_type="shm", device_capacity_tokens=page_size,
+                                  allocator_type=allocator, device_capacity_tokens=page_size,
                                   start_layer=0, end_layer=layers,
                                   host_token_capacity=2 * tokens)
 
 
 def mla_pool(S, *, layout, layers=2, page_size=4, tokens=32, rank=16, rope=4,
-             dtype=torch.bfloat16, device=None):
+             dtype=torch.bfloat16, device=None, allocator="shm"):
     device = _dev(device)
     dim = rank + rope
     bufs = tuple(torch.zeros(page_size, 1, dim, dtype=dtype, device=device)
@@ -79,13 +79,13 @@ def mla_pool(S, *, layout, layers=2, page_size=4, tokens=32, rank=16, rope=4,
                            kv_cache_dim=dim, dtype=dtype, device=bufs[0].device)
     return S.MLATokenToKVPoolHost(info, 1.0, 0, page_size, layout,
                                   pin_memory=device == "cuda", device="cpu",
-                                  allocator_type="shm", device_capacity_tokens=page_size,
+                                  allocator_type=allocator, device_capacity_tokens=page_size,
                                   start_layer=0, end_layer=layers, target_layer_num=layers,
                                   host_token_capacity=2 * tokens)
 
 
 def mamba_pool(S, *, layers=2, slots=6, temporal=(2, 4, 4), conv=((3, 8),),
-               layout="page_first", extra=(), device=None):
+               layout="page_first", extra=(), device=None, allocator="shm"):
     """MambaPoolHost: fp32 temporal + bf16 conv state(s), each its own memfd.
     `extra`: (shape, dtype) of extra checkpoint buffers (the pool's
     slot_state_buffers: one row per slot, no layer axis), also one memfd each."""
@@ -97,7 +97,7 @@ def mamba_pool(S, *, layers=2, slots=6, temporal=(2, 4, 4), conv=((3, 8),),
         extra_checkpoint_buffers=tuple(torch.zeros((slots,) + tuple(shape), dtype=dtype,
                                                    device=device) for shape, dtype in extra))
     return S.MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=device == "cuda",
-                           device="cpu", allocator_type="shm", layout=layout)
+                           device="cpu", allocator_type=allocator, layout=layout)
 
 
 def dsa_device_pool(*, layers=2, page_size=4, tokens=32, bytes_per_token=6):
@@ -110,7 +110,7 @@ def dsa_device_pool(*, layers=2, page_size=4, tokens=32, bytes_per_token=6):
                                    for _ in range(layers)])
 
 
-def dsa_indexer_pool(S, anchor, *, bytes_per_token=6):
+def dsa_indexer_pool(S, anchor, *, bytes_per_token=6, allocator="shm"):
     from sglang.srt.mem_cache.hicache_storage import PoolName
     dev = dsa_device_pool(layers=anchor.layer_num, page_size=anchor.page_size,
                           bytes_per_token=bytes_per_token)
@@ -120,7 +120,7 @@ def dsa_indexer_pool(S, anchor, *, bytes_per_token=6):
                               bytes_per_token_per_layer=bytes_per_token, dtype=torch.uint8),
                           host_pool_builder=None)
     return S.DSAIndexerPoolHost(decl, anchor, pin_memory=False, device="cpu",
-                                allocator_type="shm")
+                                allocator_type=allocator)
 
 
 def fill_random(pool, gen) -> None:

@@ -61,6 +61,45 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
+def _can_pin() -> bool:
+    """Is there an accelerator whose allocator pins host memory?"""
+    try:
+        acc = getattr(torch, "accelerator", None)
+        if acc is not None:
+            return bool(acc.is_available())
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+class _Unpinned:
+    """A host pool seen with pin_memory=False, for SGLang's own page helpers.
+
+    SGLang 0.5.23's `get_dummy_flat_data_page` allocates with the pool's
+    `pin_memory` (True by default, as its servers build every host pool), and
+    torch without an accelerator refuses pinned memory outright. The helper
+    reads only attributes, so it runs against this view of the pool, which
+    changes nothing on the pool itself (SGLang's threads may be reading it).
+    """
+
+    def __init__(self, pool):
+        object.__setattr__(self, "_pool", pool)
+
+    def __getattr__(self, name):
+        if name == "pin_memory":
+            return False
+        return getattr(self._pool, name)
+
+
+def dummy_flat_page(host_pool) -> torch.Tensor:
+    """host_pool.get_dummy_flat_data_page(), unpinned where nothing can pin."""
+    if getattr(host_pool, "pin_memory", False) and not _can_pin():
+        fn = getattr(type(host_pool), "get_dummy_flat_data_page", None)
+        if fn is not None:
+            return fn(_Unpinned(host_pool))
+    return host_pool.get_dummy_flat_data_page()
+
+
 class BatchLayout:
     """Pages as slices of a few host tensors: batched gather / scatter."""
 
@@ -131,7 +170,7 @@ class PerPageLayout:
             out[i].copy_(_u8(self.pool.get_data_page(idx, flat=True).contiguous()).reshape(-1))
 
     def scatter(self, index: torch.Tensor, data: torch.Tensor) -> None:
-        dummy = self.pool.get_dummy_flat_data_page()
+        dummy = dummy_flat_page(self.pool)
         for i, idx in enumerate(index.tolist()):
             self.pool.set_from_flat_data_page(idx, data[i].view(dummy.dtype))
 
@@ -175,7 +214,7 @@ def plan(host_pool):
     """
     flat = None
     if hasattr(host_pool, "get_dummy_flat_data_page"):
-        d = host_pool.get_dummy_flat_data_page()
+        d = dummy_flat_page(host_pool)
         flat = d.numel() * d.element_size()
     found = _components(host_pool)
     if found is not None:
