@@ -228,8 +228,15 @@ class Closing:
                 now = time.perf_counter_ns()
                 for op in list(self._ops.values()):
                     op._cancel()
-                    for pos in np.flatnonzero(op.page_status == st.PENDING):
-                        self._apply(op, int(pos), st.CANCELLED, 0, 0, now)
+                    try:
+                        for pos in np.flatnonzero(op.page_status == st.PENDING):
+                            self._apply(op, int(pos), st.CANCELLED, 0, 0, now)
+                    except Exception as exc:
+                        # An op caught half-made (this close() interrupted the
+                        # prefetch() or backup() making it on this thread) is
+                        # no error: that call resumes and ends EngineClosed.
+                        if op.pin_slots is not None and error is None:
+                            error = exc
                 # Sleepers on other threads leave the semaphore before it goes;
                 # this thread's own (a handler that interrupted its wait) find
                 # the engine closed when the handler returns.

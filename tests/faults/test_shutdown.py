@@ -1,7 +1,10 @@
 """close() flushes backups in flight (like Executor.shutdown(wait=True)), bounded
-by a timeout; close(flush=False) cancels them; new work is refused meanwhile."""
+by a timeout, and says what it could not flush; close(flush=False) cancels
+them; new work is refused meanwhile; a close() interrupted by another (a
+signal handler's) finishes without either waiting for the other."""
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -56,3 +59,52 @@ def test_flush_false_does_not_wait(store):
     e.close(flush=False)
     assert time.monotonic() - t0 < 15
     assert op.done and op.status_counts().get("cancelled", 0) > 0, op.status_counts()
+
+
+def test_a_bounded_flush_says_what_it_left(store, caplog):
+    """A server stops within its flush limit and says why it could not flush:
+    metrics()["close"] and one warning count the pages cancelled."""
+    keys = [f"w{i}" for i in range(N)]
+    e = make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1)
+    _fill(e, keys, range(N))
+    os.kill(e._pool.workers[1].pid, signal.SIGSTOP)
+    op = e.backup(keys, range(N))
+    with caplog.at_level("WARNING", logger="hicache_mp"):
+        e.close(timeout_s=0.5)
+    report = e.metrics()["close"]
+    cancelled = op.status_counts().get("cancelled", 0)
+    assert cancelled and report["cancelled_pages"] == cancelled, (report, op.status_counts())
+    assert report["backup_pages"] == N and "flush limit" in report["why"]
+    assert any("cancelled" in r.getMessage() for r in caplog.records)
+
+
+def test_a_close_that_a_signal_handler_interrupts_with_another_close(store):
+    """SIGTERM twice: the handler's close() runs while this thread's close()
+    waits for a backup a stopped worker holds. Neither waits for the other;
+    the nested one flushes (the worker goes on) and releases everything."""
+    keys = [f"r{i}" for i in range(N)]
+    e = make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1)
+    _fill(e, keys, range(N))
+    stopped = e._pool.workers[1].pid
+    os.kill(stopped, signal.SIGSTOP)
+    op = e.backup(keys, range(N))
+    nested = []
+
+    def on_signal(*_):
+        os.kill(stopped, signal.SIGCONT)
+        e.close()
+        nested.append(e.closed)
+
+    old = signal.signal(signal.SIGUSR1, on_signal)
+    try:
+        main = threading.main_thread().ident
+        threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGUSR1)).start()
+        t0 = time.monotonic()
+        e.close(timeout_s=20)
+        took = time.monotonic() - t0
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert nested == [True] and took < 5, (nested, took)
+    assert op.status == "ok", op.status_counts()
+    with pytest.raises(EngineClosed):
+        e.poll()
