@@ -249,6 +249,7 @@ class PrefetchEngine(EngineCore):
         self._rr = 0
         self._evictor_failed = None
         self._last_health = time.monotonic()
+        self._watched_at, self._watch_from_ns = time.monotonic(), 0  # _watchdog's gap rule
         # Segments go even if the caller forgets close() or an exception unwinds.
         self._finalizer = weakref.finalize(self, _cleanup, os.getpid(), self._pool,
                                            list(self._segments))
@@ -484,8 +485,15 @@ class PrefetchEngine(EngineCore):
         than stall_timeout_s, or when records have waited in its rings that long
         without it taking one (stuck outside a page I/O: stopped, or wedged)."""
         limit = self.config.stall_timeout_s
-        stalled = self._control.stalled(len(self._pool.workers), limit)
         now = time.monotonic()
+        # After a gap in the looks (this process paused with its workers, or not
+        # polled) an I/O's age counts from now, as the rings' count restarts: a
+        # worker stopped with it is no more stuck than the engine was.
+        if now - self._watched_at > limit / 4:
+            self._watch_from_ns = time.monotonic_ns()
+        self._watched_at = now
+        stalled = self._control.stalled(len(self._pool.workers), limit,
+                                        since_ns=self._watch_from_ns)
         for handle in self._pool.usable():
             idle = handle.idle_with_work_s(now, limit / 4)
             if idle > limit:

@@ -133,11 +133,16 @@ class Control:
     def cancel(self, op_id: int) -> None:
         self.cancel_table[op_id % CANCEL_SLOTS] = op_id
 
-    def stalled(self, num_workers: int, limit_s: float, now_ns: int | None = None) -> np.ndarray:
-        """Per worker: how long its oldest page I/O has run (s) if over `limit_s`, else 0."""
+    def stalled(self, num_workers: int, limit_s: float, now_ns: int | None = None,
+                since_ns: int = 0) -> np.ndarray:
+        """Per worker: how long its oldest page I/O has run (s) if over `limit_s`,
+        else 0; an I/O started before `since_ns` counts from then (the caller
+        was not looking before)."""
         hb = self.heartbeat[:num_workers].view(np.int64).copy()  # one snapshot: lanes move on
         now = time.monotonic_ns() if now_ns is None else now_ns
-        hb[hb <= 0] = now
+        idle = hb <= 0
+        np.maximum(hb, since_ns, out=hb)
+        hb[idle] = now
         age = (now - hb.min(axis=1)) / 1e9
         return np.where(age > limit_s, age, 0.0)
 

@@ -2,13 +2,15 @@
 
 Owns starting and stopping the volume (`juicefs format` with the `file` object
 store and SQLite metadata, one `juicefs mount -d` per node, each with its own
-cache directory and log) and one read of its metadata engine (`MetaView`), and
-nothing else: tests and the benchmark put their stores under the mounts. Two mounts of one volume are two independent clients:
+cache directory and log), killing a node's client and mounting it again (the
+fault suite's client death), and one read of its metadata engine
+(`MetaView`), and nothing else: tests and the benchmark put their stores under the mounts. Two mounts of one volume are two independent clients:
 each has its own kernel dentry/attribute cache and its own JuiceFS buffers,
 and they agree only through the metadata engine, as two machines would.
 """
 import os
 import shutil
+import signal
 import sqlite3
 import subprocess
 import time
@@ -36,13 +38,21 @@ class Volume:
     """`Volume(root, nodes=2)`: format under `root`, mount `root/node0`, `root/node1`, ...
 
     `mount_options` go to every `juicefs mount` (e.g. ["--buffer-size", "1024"]).
-    `close()` unmounts every node and waits for the client processes to leave.
+    `close()` unmounts every node (a dead one too) and waits for the client
+    processes to leave.
+
+    A `juicefs mount -d` is two processes: a supervisor that holds the FUSE
+    connection and the client that serves it. `kill(i)` SIGKILLs both: the
+    mount is dead (ENOTCONN) until `remount(i)`. `kill(i, supervisor=False)`
+    kills the client only: the supervisor starts another on the same
+    connection about a second later, and requests wait meanwhile.
     """
 
     def __init__(self, root: str, nodes: int = 2, mount_options=()):
         self.root = root
         self.meta = f"sqlite3://{os.path.join(root, 'meta.db')}"
         self.mounts: list[str] = []
+        self.options = tuple(mount_options)
         res = _run("format", "--storage", "file", "--bucket", os.path.join(root, "bucket"),
                    "--trash-days", "0", "--no-update", self.meta, "scaleout")
         if res.returncode:
@@ -63,33 +73,79 @@ class Volume:
             raise RuntimeError(f"juicefs mount of {path} failed: {res.stderr[-2000:]}")
         return path
 
+    def kill(self, i: int, supervisor: bool = True) -> list[int]:
+        """SIGKILL node `i`'s client (and its supervisor); the pids killed."""
+        pids = client_pids(self.meta, self.mounts[i])
+        if not supervisor:
+            pids = [p for p in pids if _parent(p) in pids]  # the one the supervisor started
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while set(pids) & set(client_pids(self.meta, self.mounts[i])) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return pids
+
+    def remount(self, i: int) -> None:
+        """Mount node `i` again at the same path, after lazily unmounting a dead mount."""
+        path = self.mounts[i]
+        if _mounted(path):
+            subprocess.run(["umount", "-l", path], capture_output=True)
+        self.mounts[i] = self._mount(i, self.options)
+
     def close(self) -> None:
         for path in self.mounts:
-            if os.path.ismount(path):
-                res = _run("umount", path)
-                if res.returncode:
+            if _mounted(path):  # a dead FUSE mount is listed, though ismount() says no
+                res = _run("umount", path) if os.path.ismount(path) else None
+                if res is None or res.returncode:
                     subprocess.run(["umount", "-l", path], capture_output=True)  # best effort
         deadline = time.monotonic() + 10
-        while any(os.path.ismount(p) for p in self.mounts) and time.monotonic() < deadline:
+        while any(_mounted(p) for p in self.mounts) and time.monotonic() < deadline:
             time.sleep(0.05)
         while client_pids(self.meta) and time.monotonic() < deadline:
             time.sleep(0.05)
         self.mounts = []
 
 
-def client_pids(meta: str) -> list[int]:
-    """Live juicefs processes serving `meta` (zombies excluded)."""
+def client_pids(meta: str, mount: str | None = None) -> list[int]:
+    """Live juicefs processes serving `meta` (at `mount`, if given; zombies excluded).
+
+    Told apart by the log file they hold open (`<mount>.log`, Volume._mount):
+    a client rewrites its process title over its argv and environment, cut to
+    a couple of hundred bytes, so a long metadata URL or mount path is often
+    not in /proc/<pid>/cmdline at all."""
     import psutil
+    root = os.path.dirname(meta[len("sqlite3://"):]) if meta.startswith("sqlite3://") else None
     out = []
     for p in psutil.process_iter(["cmdline", "status"]):
         try:
             cmd = p.info["cmdline"] or []
-            if p.info["status"] != psutil.STATUS_ZOMBIE and cmd and "juicefs" in cmd[0] \
-                    and meta in cmd:
+            if p.info["status"] == psutil.STATUS_ZOMBIE or not cmd or "juicefs" not in cmd[0]:
+                continue
+            logs = [f.path for f in p.open_files() if f.path.endswith(".log")]
+            if mount is not None:
+                hit = mount + ".log" in logs
+            else:
+                hit = meta in " ".join(cmd) or (root is not None and any(
+                    os.path.dirname(path) == root for path in logs))
+            if hit:
                 out.append(p.pid)
         except psutil.Error:
             pass
     return out
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError):
+        return None
+
+
+def _mounted(path: str) -> bool:
+    """Is `path` a mount point in /proc/self/mounts (alive or not)?"""
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == path for line in f if len(line.split()) > 1)
 
 
 # Files of a store: page files and temp files (workers.naming's names).
