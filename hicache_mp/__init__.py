@@ -7,7 +7,7 @@ from shm import PageGeometry
 from workers.pool import BrokenPool
 
 from .config import EngineConfig
-from .core import EngineClosed, EngineForked
+from .closing import EngineClosed, EngineForked
 from .engine import PrefetchEngine
 from .ops import Op
 

@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from workers import status as st
+from workers.timing import FLUSH_IDLE_S, FLUSH_POLL_S, FLUSH_QUIET_S, SLEEPERS_GONE_S, SLOW_CLOSE_S
 
 from .ops import READ, WRITE
 
@@ -41,11 +42,6 @@ log = logging.getLogger("hicache_mp")
 # FLUSH_IDLE_S of that while no record waits in a ring and no worker is in a
 # page I/O (the pages left were never handed out, or their completions sit in
 # the interrupted frame).
-FLUSH_QUIET_S = 0.6
-FLUSH_IDLE_S = 0.1
-FLUSH_POLL_S = 0.002       # the polling flush's sleep between two polls
-SLEEPERS_GONE_S = 5.0      # other threads' sleepers leave within a cap (engine.TARGET_CAP_S)
-SLOW_CLOSE_S = 1.0         # a close() slower than this says why
 
 
 class EngineClosed(RuntimeError):

@@ -34,6 +34,7 @@ from workers import naming
 from workers import status as st
 from workers.control import PIN_SLOTS, pin_slots
 from workers.stores import open_store
+from workers.timing import ABANDON_GRACE_S, PROBE_WAIT_SLICE_S, WAIT_SLICE_S
 
 from .closing import Closing, EngineClosed, EngineForked
 from .config import POLICIES, EngineConfig
@@ -66,7 +67,6 @@ def _check_pool_size(nbytes: int) -> None:
 _LIVE = weakref.WeakSet()
 # wait()'s longest sleep before it polls again (health, closed engine); the
 # engine caps each sleep further (engine.TARGET_CAP_S, 5 ms with no target).
-WAIT_SLICE_S = 0.2
 
 
 def _disown_after_fork() -> None:
@@ -244,7 +244,7 @@ class EngineCore(Closing):
             if not self._enter_sleep():  # the sleepers protocol of wait()
                 continue
             try:
-                self._sleep_for_completion(min(left, 0.05))
+                self._sleep_for_completion(min(left, PROBE_WAIT_SLICE_S))
             finally:
                 self._leave_sleep()
 
@@ -333,7 +333,7 @@ class EngineCore(Closing):
                     if not self._closed:  # else closed under us: close() ends the op
                         raise
 
-    def abandon(self, op: Op, grace_s: float = 1.0) -> None:
+    def abandon(self, op: Op, grace_s: float = ABANDON_GRACE_S) -> None:
         """Cancel `op` and return once nothing can write its host slots any more,
         even if an I/O of it is stuck (a hung network read): for a caller that must
         reuse the slots by a deadline (the SGLang adapter's io_timeout_s). Pages

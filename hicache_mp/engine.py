@@ -64,6 +64,7 @@ from workers.evictor import EVICT_RING_CAPACITY, EvictorProcess, headroom_bytes
 from workers.pool import BrokenPool, WorkerPool, worker_cpus
 from workers.records import KIND_PROBE, KIND_READ, KIND_WRITE
 from workers.spec import WorkerSpec
+from workers.timing import ABANDON_GRACE_S, HEALTH_CHECK_S, NO_TARGET_CAP_S, TARGET_CAP_S
 
 from .config import EngineConfig
 from .core import EngineClosed, EngineCore, check_timeout, log
@@ -71,12 +72,10 @@ from .discovery import PROBE_MAX
 from .nodeshare import NodeShare
 from .ops import READ, Op
 
-HEALTH_CHECK_S = 0.1
 # A waiter with a wake-up target sleeps until its batch is done or this
 # long: each early expiry takes the GIL back once, which under a busy
 # scheduler costs up to a switch interval, so a long batch must not be cut
 # into 20 ms naps (the cap is for a worker that dies mid-batch).
-TARGET_CAP_S = 0.2
 
 
 # The completions of one op in one drain go through EngineCore._apply_many from
@@ -524,7 +523,7 @@ class PrefetchEngine(EngineCore):
         except BrokenPool as exc:
             log.error("hicache_mp: %s; the engine takes no more work", exc)
 
-    def abandon(self, op: Op, grace_s: float = 1.0) -> None:
+    def abandon(self, op: Op, grace_s: float = ABANDON_GRACE_S) -> None:
         """EngineCore.abandon: after `grace_s` for workers to skip the cancelled
         pages, a worker still holding one is stuck inside a page I/O that may yet
         write a slot. It is killed, and this returns once it is gone (the health
@@ -575,7 +574,7 @@ class PrefetchEngine(EngineCore):
             words = self._control.words
             target = op is not None and not op.done
             at = self._worker_pages + op._remaining if target else 0
-            cap = min(timeout_s, TARGET_CAP_S if target else 0.005)
+            cap = min(timeout_s, TARGET_CAP_S if target else NO_TARGET_CAP_S)
             prev = self._leader
             lead = prev is None or prev == me
             if lead and at:

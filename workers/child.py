@@ -30,6 +30,7 @@ import sys
 import time
 
 from shm.names import unlink_names
+from workers.timing import CHILD_READY_POLL_S, PARENT_CHECK_S
 
 _LIBC = None
 
@@ -45,8 +46,6 @@ def _libc():
     return _LIBC
 
 
-# How often an idle child looks at its parent; also the longest an orphan lives.
-PARENT_CHECK_S = 0.25
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -142,7 +141,7 @@ def wait_ready(children, timeout_s: float) -> None:
     while pending:
         pending = [c for c in pending if not c.check_start(timeout_s)]
         if pending:
-            time.sleep(0.002)
+            time.sleep(CHILD_READY_POLL_S)
 
 
 # --- the child's side -------------------------------------------------------------

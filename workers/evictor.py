@@ -70,11 +70,11 @@ import numpy as np
 from shm import Ring, WakeSemaphore
 from shm.ring import RECORD_DTYPE
 from workers import evictlease, inflight
-from workers.child import PARENT_CHECK_S, Child, ParentWatch, child_main, orphan_cleanup, \
-    wait_ready
+from workers.child import Child, ParentWatch, child_main, orphan_cleanup, wait_ready
 from workers.records import KIND_EVICT
 from workers.stores import open_store
-from workers.timing import EVICT_REPORT_POLL_S, EVICT_REPORT_WAIT_S, FUTURE_SLACK_S, STOP_GRACE_S
+from workers.timing import EVICT_REPORT_POLL_S, EVICT_REPORT_WAIT_S, FUTURE_SLACK_S, PARENT_CHECK_S, \
+    STOP_GRACE_S
 from workers.control import EVICTOR_PID, MAX_BYTES, MIN_FREE, STOP, STORE_BASE, WRITTEN, \
     WRITTEN_AT_SCAN, Control, pin_slot
 

@@ -40,9 +40,8 @@ import numpy as np
 
 from shm.ring import RECORD_DTYPE
 from workers import directio, pagefile
-from workers.child import PARENT_CHECK_S
 from workers.records import KIND_WRITE
-from workers.share import DEFER_POLL_S
+from workers.timing import DEFER_POLL_S, PARENT_CHECK_S
 
 
 class Lane:

@@ -46,6 +46,7 @@ from workers.child import Child, ChildStartError, wait_ready
 from workers.control import INFLIGHT, INFLIGHT_KEY, MAX_WORKERS, READS_DONE, READS_SUBMITTED, \
     READY_PID, STOP, Control
 from workers.spec import WorkerSpec
+from workers.timing import STOP_GRACE_S
 
 # Replacements of one slot that may fail to start in a row before the pool is
 # broken: one can be killed by an operator or the OOM killer; three in a row is
@@ -360,7 +361,7 @@ class WorkerPool:
             self.dying.remove(h)
         return gone
 
-    def close(self, grace_s: float = 2.0) -> None:
+    def close(self, grace_s: float = STOP_GRACE_S) -> None:
         self.stop(grace_s)
         for h in self.workers:                             # 5
             h.close_rings()
@@ -368,7 +369,7 @@ class WorkerPool:
         self.starting = []
         self.dying = []
 
-    def stop(self, grace_s: float = 2.0) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Steps 1-4: the workers are gone; their rings stay readable."""
         with self._lock:
             if self.closed:

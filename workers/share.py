@@ -55,20 +55,10 @@ import numpy as np
 
 from workers.control import READS_DONE, READS_SUBMITTED
 from workers.fileio import WRITE_PIECE_BYTES
+from workers.timing import CREDIT_CAP_NS, DEFER_POLL_S, SLOW_IO_S, STILL_S, WRITE_DEFER_MAX_S
 
-CREDIT_CAP_NS = 1_000_000_000
 FIRST_WRITE_BPS = 200e6  # a conservative first guess (a slow disk's O_DIRECT write)
 EWMA_WEIGHT = 0.25       # of the newest measured write
-# A write deferred for reads at other workers goes after this long anyway.
-WRITE_DEFER_MAX_S = 0.5
-# A page I/O older than this no longer holds back other workers' writes.
-SLOW_IO_S = 0.5
-# A worker with reads queued that neither runs a page I/O nor finishes a read
-# for this long no longer holds back other workers' writes (module docstring).
-STILL_S = WRITE_DEFER_MAX_S / 2
-# How often a deferred or paused write looks again: no one posts a worker's
-# wake semaphore when another worker's reads finish.
-DEFER_POLL_S = 0.002
 
 
 class WriteShare:

@@ -31,8 +31,20 @@ announces:
     ANSWER_LOST_S      2 s    a probe unanswered this long went with a dead
                               worker: not waited for (PROBE_TTL_S lets it be
                               asked again long before)
-    CLOSE_SLEEPERS_S   5 s    close() waits this long for sleeping waiters to
-                              leave their semaphore before it is closed
+
+close() (hicache_mp.closing), on the same clock:
+
+    FLUSH_POLL_S       2 ms   the polling flush (a close inside an engine call
+                              of its own thread) sleeps this long between polls
+    FLUSH_IDLE_S       0.1 s  that flush ends after this long of no progress
+                              while no record waits and no worker is in a page I/O
+    FLUSH_QUIET_S      0.6 s  ... and after this long of no backup page done in
+                              any case: longer than WRITE_DEFER_MAX_S, so a
+                              backup deferred behind reads is still waited for
+    SLOW_CLOSE_S       1 s    a close() slower than this logs why
+    SLEEPERS_GONE_S    5 s    close() waits this long for other threads' sleepers
+                              to leave their semaphore before it is closed (each
+                              sleeps TARGET_CAP_S at most, so this is a backstop)
 
 The worker's side (the same clock, in each worker process):
 
@@ -44,6 +56,11 @@ The worker's side (the same clock, in each worker process):
     CHILD_READY_POLL_S 2 ms   the parent looks for its children's ready words
     PARENT_CHECK_S     0.25 s an idle child looks at its parent: also the longest
                               an orphan lives
+    STILL_S            0.25 s a worker with reads queued that neither runs a page
+                              I/O nor finishes a read this long no longer holds
+                              back other workers' writes: far above the gap
+                              between a healthy worker's two page I/Os, below
+                              WRITE_DEFER_MAX_S (which lets the write go anyway)
     WRITE_DEFER_MAX_S  0.5 s  a write deferred for reads elsewhere goes anyway:
                               the backstop against starving backups
     SLOW_IO_S          0.5 s  a page I/O older than this no longer holds back
@@ -80,7 +97,13 @@ WAIT_SLICE_S = 0.2
 PROBE_TTL_S = 0.25
 ABANDON_GRACE_S = 1.0
 ANSWER_LOST_S = 2.0
-CLOSE_SLEEPERS_S = 5.0
+
+# --- close() ----------------------------------------------------------------------
+FLUSH_POLL_S = 0.002
+FLUSH_IDLE_S = 0.1
+FLUSH_QUIET_S = 0.6
+SLOW_CLOSE_S = 1.0
+SLEEPERS_GONE_S = 5.0
 
 # --- the worker's side ------------------------------------------------------------
 BACKOFF_S = 0.0005
@@ -88,6 +111,7 @@ DEFER_POLL_S = 0.002
 CHILD_READY_POLL_S = 0.002
 PARENT_CHECK_S = 0.25
 WRITE_DEFER_MAX_S = 0.5
+STILL_S = WRITE_DEFER_MAX_S / 2
 SLOW_IO_S = 0.5
 CREDIT_CAP_NS = 1_000_000_000
 

@@ -62,13 +62,14 @@ from shm import PageGeometry, Ring, WakeSemaphore
 from shm.hostpool import HostPool
 from shm.partpool import PartPool
 from workers import pagefile, status
-from workers.child import PARENT_CHECK_S, ParentWatch, child_main, orphan_cleanup
+from workers.child import ParentWatch, child_main, orphan_cleanup
 from workers.lanes import Lane, WriteLane, run_lanes
 from workers.records import KIND_PROBE, KIND_READ, KIND_WRITE
-from workers.share import DEFER_POLL_S, WriteScheduler
+from workers.share import WriteScheduler
 from workers.spec import WorkerSpec
 from workers.store import StoreIO
 from workers.stores import open_store
+from workers.timing import BACKOFF_S, DEFER_POLL_S, PARENT_CHECK_S
 from workers.control import BUSY_NS, BYTES, INFLIGHT, INFLIGHT_KEY, MAX_BYTES, MIN_FREE, PAGES, \
     POSTED_NS, POSTED_SEQ, READS_DONE, READY_PID, WAITERS, WAKE_AT, WAKE_SEQ, WRITTEN, \
     Control, write_key
@@ -229,7 +230,7 @@ class Worker:
                 # The scheduler has not drained completions yet; it will. Never drop one.
                 if self.parent_gone() or self.control.stopping():
                     return
-                time.sleep(0.0005)
+                time.sleep(BACKOFF_S)
         if self.control.words[WAITERS]:
             self._maybe_wake()
 
