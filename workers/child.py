@@ -30,7 +30,7 @@ import sys
 import time
 
 from shm.names import unlink_names
-from workers.timing import CHILD_READY_POLL_S, PARENT_CHECK_S
+from workers.timing import CHILD_READY_POLL_S
 
 _LIBC = None
 
