@@ -36,17 +36,20 @@ reported as the pool's verdict, never gating the KV hit).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import threading
+import time
 
 import numpy as np
 import torch
 
-from shm import PageGeometry
-from workers import status as st
+from shm import PageGeometry, gilkeep
 
 from ..engine import PrefetchEngine
 from . import sglang_sidecar
+from .sglang_v2_pool import (SidecarPool, _all_ok, _as_numpy, _leading, _missing,  # noqa: F401
+                             page_index, page_starts)
 
 log = logging.getLogger("hicache_mp.sglang")
 
@@ -57,148 +60,54 @@ SIDECAR_STAGING_PAGES = 256
 SIDECAR_WORKERS = 2
 
 
+ALL_PAGES, TRAILING_PAGES, BLOCK_GROUPS = "all_pages", "trailing_pages", "block_groups"
+# id(enum member) -> (member, value): an Enum's `.value` is a Python descriptor
+# and its hash a Python method; SGLang hands the same few members every call,
+# so each is looked up once and compared as a str from then on.
+_VALUES: dict = {}
+
+
 def pool_name(name) -> str:
     """PoolName enum or str -> its value ('mamba', 'swa', ...)."""
-    return str(getattr(name, "value", name))
+    hit = _VALUES.get(id(name))
+    if hit is not None and hit[0] is name:
+        return hit[1]
+    value = str(getattr(name, "value", name))
+    if isinstance(name, enum.Enum):
+        _VALUES[id(name)] = (name, value)
+    return value
 
 
-def policy_name(policy) -> str:
-    return str(getattr(policy, "value", policy))
+policy_name = pool_name
 
 
-def _as_numpy(indices) -> np.ndarray:
-    """Host indices as a numpy array: on a CPU tensor (SGLang's host indices
-    are) one `.numpy()`, a view that releases no GIL; no `.cpu()` or `.to()`,
-    each of which would."""
-    if isinstance(indices, torch.Tensor):
-        if indices.device.type != "cpu":
-            indices = indices.cpu()
-        return indices.numpy()
-    return np.asarray(indices)
+def trailing_spans(has: bytes, trailing: int) -> list:
+    """[(lo, hi)] of the prefixes p (1-based, inclusive) whose last
+    min(trailing, p) pages are all present; `has` holds one 0/1 byte per page.
+    One step per run of present pages (bytes.find, GIL held), never per page."""
+    spans, n, s = [], len(has), has.find(1)
+    while s != -1:
+        e = has.find(0, s)
+        e = n if e == -1 else e          # pages [s, e) are present
+        lo = 1 if s == 0 else s + trailing
+        if lo <= e:
+            spans.append((lo, e))
+        s = has.find(1, e) if e < n else -1
+    return spans
 
 
-class _Slots:
-    """Free staging slots of one sidecar engine."""
-
-    def __init__(self, n: int):
-        self.free = list(range(n))
-        self.cap = n
-        self.cond = threading.Condition()
-
-    def take(self, n: int) -> list[int]:
-        with self.cond:
-            while not self.free:
-                self.cond.wait()
-            n = min(n, len(self.free))
-            out, self.free = self.free[:n], self.free[n:]
-            return out
-
-    def give(self, slots) -> None:
-        with self.cond:
-            self.free.extend(slots)
-            self.free.sort()
-            self.cond.notify_all()
-
-
-class SidecarPool:
-    """One registered sidecar pool: its layout, engine and staging slots."""
-
-    def __init__(self, name: str, host_pool, layout, engine: PrefetchEngine, zero_copy: bool,
-                 probe_wait_s: float = 0.0, parts: int = 0):
-        self.probe_wait_s = probe_wait_s
-        self.name, self.host_pool, self.layout, self.engine = name, host_pool, layout, engine
-        self.page_size = int(getattr(host_pool, "page_size", 1) or 1)
-        self.zero_copy = zero_copy
-        self.parts = parts          # runs per page in the mapped memfds (zero-copy)
-        pages = engine.config.host_pool_pages
-        self.staging = None if zero_copy else \
-            engine.host_pool.tensor.view(torch.uint8).reshape(pages, layout.page_bytes)
-        self.slots = None if zero_copy else _Slots(pages)
-
-    def key(self, key: str) -> str:
-        return f"{key}.{self.name}"
-
-    def present(self, keys) -> np.ndarray:
-        """Per key: its page is in the store. Keys the index misses are asked of
-        the workers, as for KV (hicache_mp.discovery): another process sharing
-        the directory may have written them, and no stat runs in this process."""
-        eng = self.engine
-        skeys = [self.key(k) for k in keys]
-        out = eng.present(skeys)
-        if not out.all():
-            eng.ask(skeys, wait_s=self.probe_wait_s)
-            out = eng.present(skeys)
-        return out
-
-    def _stage(self, slots: list[int]):
-        s0 = slots[0]
-        if slots == list(range(s0, s0 + len(slots))):
-            return self.staging[s0:s0 + len(slots)], None
-        return torch.empty(len(slots), self.layout.page_bytes, dtype=torch.uint8), \
-            torch.tensor(slots, dtype=torch.int64)
-
-    def _pages(self, index: np.ndarray) -> np.ndarray:
-        return index // self.page_size
-
-    def read(self, keys, index: np.ndarray, wait) -> list[bool]:
-        """Read pages into the host pool; only the leading run of landed pages counts.
-        `index`: each page's first host index (numpy int64)."""
-        if self.zero_copy:
-            op = self.engine.prefetch([self.key(k) for k in keys], self._pages(index),
-                                      policy="wait_complete")
-            wait(self.engine, op)
-            return [i < op.completed_pages for i in range(len(keys))]
-        index = torch.from_numpy(index)
-        done = 0
-        while done < len(keys):
-            slots = self.slots.take(len(keys) - done)
-            n = len(slots)
-            try:
-                op = self.engine.prefetch([self.key(k) for k in keys[done:done + n]], slots,
-                                          policy="wait_complete")
-                wait(self.engine, op)
-                ok = int(op.completed_pages)
-                if ok:
-                    src = self.staging[torch.tensor(slots[:ok], dtype=torch.int64)]
-                    self.layout.scatter(index[done:done + ok], src)
-            finally:
-                self.slots.give(slots)
-            done += ok
-            if ok < n:
-                break
-        return [i < done for i in range(len(keys))]
-
-    def write(self, keys, index: np.ndarray, wait) -> list[bool]:
-        """Write pages not yet stored; per key whether its page is in the store."""
-        ok = self.present(keys)
-        todo = np.flatnonzero(~ok)
-        if self.zero_copy and len(todo):
-            op = self.engine.backup([self.key(keys[i]) for i in todo], self._pages(index[todo]))
-            wait(self.engine, op)
-            ok[todo] = op.page_status == st.OK
-            return ok.tolist()
-        index = torch.from_numpy(index)
-        pos = 0
-        while pos < len(todo):
-            slots = self.slots.take(len(todo) - pos)
-            n = len(slots)
-            part = todo[pos:pos + n]
-            try:
-                buf, rows = self._stage(slots)
-                self.layout.gather(index[torch.from_numpy(part)], buf)
-                if rows is not None:
-                    self.staging.index_copy_(0, rows, buf)
-                op = self.engine.backup([self.key(keys[i]) for i in part], slots)
-                wait(self.engine, op)
-                ok[part] = op.page_status == st.OK
-            finally:
-                self.slots.give(slots)
-            pos += n
-        return ok.tolist()
-
-    def close(self) -> None:
-        self.staging = None
-        self.engine.close()
+def intersect(a: list, b: list) -> list:
+    """Intersection of two sorted lists of disjoint inclusive spans."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo <= hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
 
 
 class HybridPools:
@@ -285,98 +194,168 @@ class HybridPools:
             namespace_extra=f"{cfg.namespace_extra}|pool={name}|{layout.describe()}")
 
     # --- batch_exists_v2 -----------------------------------------------------------
-    def _has(self, name: str, keys, kv_present: np.ndarray) -> np.ndarray:
+    def _has(self, name: str, keys) -> bytes:
+        """One 0/1 byte per key: its page of pool `name` is stored."""
         if name == KV or name in self.kv_names:
-            return kv_present[:len(keys)]
+            return b"\x01" * len(keys)      # asked of the KV prefix only
         pool = self.pools.get(name)
         if pool is None:
-            return np.zeros(len(keys), dtype=bool)
-        return pool.present(keys)
+            return bytes(len(keys))
+        return pool.present(keys).view(np.uint8).tobytes()
 
     def exists(self, keys, pool_transfers, result_cls):
-        keys = list(keys)
+        """Prefixes as sorted spans of page counts, intersected pool by pool: the
+        work is per run of present pages, never per page or per prefix."""
+        keys = keys if isinstance(keys, list) else list(keys)
         kv_pages = self.backend.batch_exists(keys)
-        kv_present = np.arange(len(keys)) < kv_pages
         hit_count: dict = {KV: kv_pages} if kv_pages else {}
-        restorable = list(range(1, kv_pages + 1))
-        for t in pool_transfers or []:
-            if not restorable:
+        spans = [(1, kv_pages)] if kv_pages else []
+        prefix = keys[:kv_pages]
+        for t in pool_transfers or ():
+            if not spans:
                 break
             name, policy = pool_name(t.name), policy_name(t.hit_policy)
-            has = self._has(name, keys[:kv_pages], kv_present)
-            if policy == "all_pages":
-                boundary = int(np.argmin(has)) if not has.all() else kv_pages
-                pool_restorable = set(range(1, boundary + 1))
-            elif policy == "trailing_pages":
-                trailing = max(1, len(t.keys) if t.keys else 1)
-                # prefix p is restorable iff pages [p-trailing, p) are all present
-                run = np.zeros(kv_pages + 1, dtype=np.int64)
-                for i in range(kv_pages):
-                    run[i + 1] = run[i] + 1 if has[i] else 0
-                pool_restorable = {p for p in range(1, kv_pages + 1)
-                                   if run[p] >= min(trailing, p)}
-                boundary = max(pool_restorable, default=0)
-            elif policy == "block_groups":
-                boundary = self._block_groups(t, name, keys, kv_pages, kv_present)
+            if policy == BLOCK_GROUPS:
+                boundary = self._block_groups(t, name, keys, kv_pages)
                 if boundary:
                     hit_count[t.name] = boundary
                 continue  # a verdict of its own; never gates the KV hit
+            if policy == ALL_PAGES:
+                has = self._has(name, prefix)
+                boundary = has.find(0)
+                boundary = kv_pages if boundary == -1 else boundary
+                pool_spans = [(1, boundary)] if boundary else []
+            elif policy == TRAILING_PAGES:
+                trailing = max(1, len(t.keys) if t.keys else 1)
+                pool_spans = trailing_spans(self._has(name, prefix), trailing)
+                boundary = pool_spans[-1][1] if pool_spans else 0
             else:
                 raise ValueError(f"hicache_mp: unsupported pool hit policy {t.hit_policy!r}")
             if boundary:
                 hit_count[t.name] = boundary
-            restorable = [p for p in restorable if p in pool_restorable]
-        final = restorable[-1] if restorable else 0
-        return result_cls(final, hit_count, restorable)
+            spans = intersect(spans, pool_spans)
+        restorable = []
+        for lo, hi in spans:
+            restorable += range(lo, hi + 1)
+        return result_cls(spans[-1][1] if spans else 0, hit_count, restorable)
 
-    def _block_groups(self, t, name, keys, kv_pages, kv_present) -> int:
+    def _block_groups(self, t, name, keys, kv_pages) -> int:
         group, block = int(t.group_pages or 0), int(t.block_pages or 0)
         if group <= 0 or block <= 0:
             raise ValueError(f"hicache_mp: BLOCK_GROUPS transfer {name!r} needs positive "
                              f"group_pages and block_pages, got {group} and {block}")
         gkeys = list(t.keys) if t.keys else keys[:kv_pages]
         full = len(gkeys) // group
-        has = self._has(name, gkeys[:full * group], kv_present)
-        groups = 0
-        while groups < full and has[groups * group:(groups + 1) * group].all():
-            groups += 1
+        has = self._has(name, gkeys[:full * group])
+        first = has.find(0)
+        groups = full if first == -1 else first // group
         return min(groups * block, kv_pages)
 
     # --- batch_get_v2 / batch_set_v2 ---------------------------------------------
     def io(self, transfers, *, write: bool) -> dict:
         """{pool name: [bool per key]}, exactly len(keys) entries each; a pool
-        that is missing, unserved or given mismatched indices answers False."""
-        out = {}
-        for t in transfers:
-            name = pool_name(t.name)
-            keys = list(t.keys or [])
-            if not keys:
-                out[t.name] = []
-                continue
-            if name == KV or name in self.kv_names:
-                fn = self.backend.batch_set_v1 if write else self.backend.batch_get_v1
-                out[t.name] = list(fn(keys, t.host_indices))
-                continue
-            pool = self.pools.get(name)
-            idx = None if t.host_indices is None else _as_numpy(t.host_indices)
-            if pool is None or idx is None or idx.size != len(keys) * pool.page_size:
-                log.error("hicache_mp: %s v2 transfer for pool %r: %s", "set" if write else
-                          "get", name, "pool not served" if pool is None else
-                          f"{len(keys)} keys need {len(keys) * pool.page_size} host indices, "
-                          f"got {0 if idx is None else idx.size}")
-                out[t.name] = [False] * len(keys)
-                continue
-            index = idx.reshape(-1)[::pool.page_size].astype(np.int64)
-            if pool.zero_copy and (index % pool.page_size).any():
-                # zero-copy moves whole pages: a page that does not start on a page
-                # boundary would be read into (or written from) the wrong one
-                log.error("hicache_mp: %s v2 transfer for pool %r: a page's host indices "
-                          "do not start on a page boundary", "set" if write else "get", name)
-                out[t.name] = [False] * len(keys)
-                continue
-            fn = pool.write if write else pool.read
-            out[t.name] = fn(keys, index, self.backend._wait_on)
-        return out
+        that is missing, unserved or given mismatched indices answers False.
+
+        Every zero-copy op of the batch (KV and sidecars) is submitted first and
+        waited for after: the waits overlap, so the batch sleeps once (on the
+        op of the most bytes; the others are done by then, or nearly)."""
+        res, started, staged = [], [], []   # res: [name, answer] in transfer order
+        try:
+            for t in transfers:
+                keys = t.keys
+                keys = keys if isinstance(keys, list) else list(keys or ())
+                res.append([t.name, []])
+                if not keys:
+                    continue
+                name = pool_name(t.name)
+                if name == KV or name in self.kv_names:
+                    kv = self._start_kv(keys, t.host_indices, write)
+                    if kv is None:      # staged KV: moved (and waited for) by the backend
+                        fn = self.backend.batch_set_v1 if write else self.backend.batch_get_v1
+                        res[-1][1] = list(fn(keys, t.host_indices))
+                    else:
+                        started.append((res[-1], *kv))
+                    continue
+                pool = self.pools.get(name)
+                starts = self._starts(pool, name, keys, t.host_indices, write)
+                if starts is None:
+                    res[-1][1] = [False] * len(keys)
+                elif pool.zero_copy:
+                    pages = page_index(starts, pool.page_size)
+                    started.append((res[-1], *pool.start(keys, pages, write), None))
+                else:
+                    staged.append((res[-1], pool, keys, starts))
+        finally:
+            # SGLang reuses the slots once this returns: every op submitted is
+            # waited for, also when a later submission raised
+            for _, eng, op, _, _ in sorted((s for s in started if s[2] is not None),
+                                           key=lambda s: -s[2].num_pages *
+                                           s[1].geometry.page_bytes):
+                self.backend._wait_on(eng, op)
+        for entry, _, _, answer, record in started:
+            entry[1] = answer()
+            if record is not None:
+                record()
+        for entry, pool, keys, starts in staged:
+            entry[1] = (pool.write if write else pool.read)(keys, starts, self.backend._wait_on)
+        return dict(res)
+
+    def _start_kv(self, keys, host_indices, write: bool):
+        """The KV transfer of a v2 batch, zero-copy: submitted, not waited for
+        (batch_get_v1 / batch_set_v1 without their wait). None: staged."""
+        b = self.backend
+        if not b.zero_copy:
+            return None
+        P, n = b.geometry.page_size, len(keys)
+        idx = _as_numpy(host_indices)
+        if idx.ndim != 1 or len(idx) != n * P:
+            raise ValueError(f"hicache_mp: {n} keys need {n * P} host indices "
+                             f"(page size {P}), got shape {tuple(idx.shape)}")
+        starts, aligned = page_starts(idx, n, P)
+        if not aligned:
+            raise ValueError("hicache_mp: a page's host indices do not start on a page boundary")
+        pages = page_index(starts, P)
+        eng, t0 = b.engine, time.perf_counter()
+        if not write:
+            op = eng.prefetch(keys, pages, policy="wait_complete")
+            return (eng, op, lambda: _leading(op.completed_pages, n),
+                    lambda: b._record("prefetch", op.completed_pages, t0))
+        ok = eng.present(keys)
+        if 0 not in ok.tobytes():
+            return eng, None, lambda: [True] * n, None
+        todo = _missing(ok)
+        op = eng.backup(keys if len(todo) == n else [keys[i] for i in todo.tolist()],
+                        gilkeep.take(pages, todo))
+        lead = [n]
+
+        def answer():
+            gilkeep.set_at(ok, todo, _all_ok(op.page_status))
+            first = ok.tobytes().find(0)
+            lead[0] = n if first == -1 else first
+            return _leading(lead[0], n)
+        return eng, op, answer, lambda: b._record("backup", len(todo) if lead[0] == n else 0, t0)
+
+    @staticmethod
+    def _starts(pool, name, keys, host_indices, write):
+        """Each page's first host index (int64), or None (logged) where the
+        transfer cannot be served."""
+        n = len(keys)
+        what = "set" if write else "get"
+        idx = None if host_indices is None else _as_numpy(host_indices)
+        if pool is None or idx is None or idx.size != n * pool.page_size:
+            log.error("hicache_mp: %s v2 transfer for pool %r: %s", what, name,
+                      "pool not served" if pool is None else
+                      f"{n} keys need {n * pool.page_size} host indices, "
+                      f"got {0 if idx is None else idx.size}")
+            return None
+        starts, aligned = page_starts(idx, n, pool.page_size)
+        if pool.zero_copy and not aligned:
+            # zero-copy moves whole pages: a page that does not start on a page
+            # boundary would be read into (or written from) the wrong one
+            log.error("hicache_mp: %s v2 transfer for pool %r: a page's host indices "
+                      "do not start on a page boundary", what, name)
+            return None
+        return starts
 
     # --- housekeeping ---------------------------------------------------------------
     def engines(self) -> list[PrefetchEngine]:
