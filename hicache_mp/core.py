@@ -475,7 +475,7 @@ class EngineCore(Closing):
             self._check_accepting()
             if len(pages):
                 busy = gilkeep.take(self._reserved, pages) | (gilkeep.take(self._slot_op, pages) != 0)
-                if busy.any():
+                if gilkeep.any_(busy):
                     raise ValueError(f"host pages {pages[busy][:8].tolist()} belong to an op "
                                      f"still in flight")
             op = Op(self._next_id, kind, keys, pages, digests, self.geometry.page_bytes,
@@ -512,8 +512,9 @@ class EngineCore(Closing):
         if pages.ndim != 1 or (pages.size and pages.dtype.kind not in "iu"):
             raise ValueError(f"host_pages must be a 1-D sequence of ints, got dtype {pages.dtype} "
                              f"shape {pages.shape}")
-        if pages.size and pages.dtype.kind == "u" and int(pages.max()) > np.iinfo(np.int64).max:
-            raise ValueError(f"host page {int(pages.max())} out of range")  # before the cast wraps it
+        listed = pages.tolist()  # min/max in Python: numpy's reductions may let the GIL go
+        if pages.size and pages.dtype.kind == "u" and max(listed) > np.iinfo(np.int64).max:
+            raise ValueError(f"host page {max(listed)} out of range")  # before the cast wraps it
         pages = pages.astype(np.int64, copy=False)
         if len(pages) != nkeys:
             raise ValueError(f"{nkeys} keys but {len(pages)} host pages")
@@ -521,7 +522,7 @@ class EngineCore(Closing):
         if len(pages) > limit:
             raise ValueError(f"op of {len(pages)} pages exceeds the host pool ({limit} pages)")
         if len(pages):
-            lo, hi = int(pages.min()), int(pages.max())
+            lo, hi = min(listed), max(listed)
             if lo < 0 or hi >= limit:
                 raise ValueError(f"host page {lo if lo < 0 else hi} out of range [0, {limit})")
             if gilkeep.repeats(pages):
@@ -568,7 +569,7 @@ class EngineCore(Closing):
         pos = pos.astype(np.intp)
         codes, io_ns, errs = (np.ascontiguousarray(a) for a in (codes, io_ns, errs))
         live = op.page_status[pos] == st.PENDING  # pages failed by a worker death stay failed
-        if not live.all():
+        if not gilkeep.all_(live):
             pos, codes, io_ns, errs, seqs = pos[live], codes[live], io_ns[live], errs[live], \
                 seqs[live]
         n = len(pos)
@@ -582,11 +583,11 @@ class EngineCore(Closing):
         gilkeep.add_at(self._counts[op.kind], codes, 1)
         ok = codes == st.OK
         digests = op.digests
-        if op.kind == WRITE and ok.any():
+        if op.kind == WRITE and gilkeep.any_(ok):
             add = self._index.add
             for p in pos[ok].tolist():
                 add(digests[p])
-        if not ok.all():
+        if not gilkeep.all_(ok):
             bad = ~ok
             if op.kind == READ:
                 discard = self._index.discard  # the index was stale: heal it
@@ -594,7 +595,7 @@ class EngineCore(Closing):
                     discard(digests[p])
             for code, err in set(zip(codes[bad].tolist(), errs[bad].tolist())):
                 self._log_cause(op.kind, code, err)
-        if op._complete_many(pos, codes, int(io_ns.sum()), now_ns):
+        if op._complete_many(pos, codes, gilkeep.total(io_ns), now_ns):
             self._retire(op, now_ns)
 
     def _retire(self, op: Op, now_ns: int) -> None:

@@ -277,7 +277,7 @@ class PrefetchEngine(EngineCore):
         op.worker_of = index_of[(gilkeep.iota(n, start)) % nw]
         rejected = []
         writes = op.kind != READ
-        if writes and (op.page_status != st.PENDING).any():
+        if writes and gilkeep.any_(op.page_status != st.PENDING):
             todo = op.page_status == st.PENDING  # pages over the backup budget are already dropped
         else:
             todo = None
@@ -364,7 +364,7 @@ class PrefetchEngine(EngineCore):
         if not n:
             return 0
         probes = recs["kind"] == KIND_PROBE
-        if probes.any():
+        if gilkeep.any_(probes):
             hits = self._discovery.answered(recs["digest"][probes].tobytes(),
                                             (recs["status"][probes] == st.OK).tolist())
             add = self._index.add
@@ -383,7 +383,7 @@ class PrefetchEngine(EngineCore):
         op_ids = recs["op_id"]
         if n < BATCH_APPLY_MIN:
             groups = [(None, None)]
-        elif (op_ids == op_ids[0]).all():
+        elif gilkeep.all_(op_ids == op_ids[0]):
             groups = [(op_ids[0], None)]
         else:
             # dict, not np.unique: a sort lets the GIL go (shm.gilkeep)
@@ -637,7 +637,7 @@ class PrefetchEngine(EngineCore):
         self._wakeups[0 if posted else 1] += 1
         if not posted or not at or follower or self._released:
             return
-        if int(self._control.workers[:, PAGES].sum()) < at:
+        if gilkeep.total(self._control.workers[:, PAGES]) < at:
             self._wakeups[2] += 1
         else:  # from the worker's post to running again: the GIL's price
             delay = (time.monotonic_ns() - int(self._control.words[POSTED_NS])) / 1e9

@@ -11,6 +11,8 @@ import numpy as np
 from shm import gilkeep
 from workers import status as st
 
+_OK_BYTE = bytes([st.OK])
+
 READ, WRITE = "read", "write"
 NO_DEADLINE_S = 1e9             # a timeout this long (or inf) is no timeout
 NO_DEADLINE_NS = 1 << 62
@@ -80,17 +82,13 @@ class Op:
         self.io_ns += io_ns
         if not self.first_ns:
             self.first_ns = now_ns
-        ok = int(np.count_nonzero(codes == st.OK))
+        ok = gilkeep.count(codes == st.OK)
         if ok:
             self.ok_pages += ok
-            ps, lead, n = self.page_status, self._lead, self.num_pages
-            while lead < n:  # in chunks: a long op is not rescanned to its end each time
-                gap = ps[lead:lead + 64] != st.OK
-                if gap.any():
-                    lead += int(gap.argmax())
-                    break
-                lead += len(gap)
-            self._lead = lead
+            # the leading run of OK bytes, by bytes.lstrip (C, GIL held: numpy's
+            # argmax may let the GIL go; shm.gilkeep)
+            rest = self.page_status[self._lead:].tobytes()
+            self._lead += len(rest) - len(rest.lstrip(_OK_BYTE))
         self._remaining -= len(pos)
         if self._remaining == 0:
             self.done_ns = now_ns

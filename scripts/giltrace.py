@@ -208,12 +208,26 @@ def table(report: dict, label: str) -> list[str]:
     return rows
 
 
-# --- deterministic: which C calls inside fn let the GIL go ---------------------------
+# --- which C calls inside fn let the GIL go -----------------------------------------
 def released_in(fn, *args, switch_s: float = 1.0, **kwargs):
-    """(fn's result, [(site, C function)] of the calls during which another thread
-    ran). The switch interval is raised to `switch_s` for the call, so a thread
-    that holds the GIL is not switched out inside fn (fn must take well under
-    `switch_s`; each release found costs about that long)."""
+    """(fn's result, [(site, what)] of the places during which another thread ran).
+
+    A second thread counts in pure Python. Two passes of fn:
+    - long switch interval (`switch_s`): the counter can only run while fn's
+      thread gave the GIL up; a line or C call during which it moved let it go
+      (fn must take well under `switch_s`; each release found costs about that);
+    - short switch interval (0.2 ms): the counter's request for the GIL is
+      pending nearly always, so CPython hands the GIL over at any release, even
+      a few microseconds long; forced switches come too, but only between
+      bytecodes, so only a C call with no Python inside it counts here.
+    fn runs twice: it must be repeatable."""
+    found = []
+    result = _pass(fn, args, kwargs, switch_s, found, lines=True)
+    _pass(fn, args, kwargs, 0.0002, found, lines=False)
+    return result, found
+
+
+def _pass(fn, args, kwargs, switch_s, found, *, lines):
     count = [0]
     stop = threading.Event()
 
@@ -222,23 +236,26 @@ def released_in(fn, *args, switch_s: float = 1.0, **kwargs):
             count[0] += 1
     t = threading.Thread(target=counter, daemon=True)
     old = sys.getswitchinterval()
-    found = []
-    open_calls = []
+    open_calls = []  # [counter at the call, frame, C function, pure (no Python inside)]
 
     def prof(frame, event, arg):
         if event == "c_call":
-            open_calls.append((count[0], frame, arg))
-        elif event in ("c_return", "c_exception") and open_calls:
-            c0, cframe, carg = open_calls.pop()
-            if count[0] != c0:
-                found.append((_site(cframe), _cname(carg)))
+            open_calls.append([count[0], frame, arg, True])
+        elif event in ("c_return", "c_exception"):
+            if open_calls:
+                c0, cframe, carg, pure = open_calls.pop()
+                if count[0] != c0 and (lines or pure):
+                    found.append((_site(cframe), _cname(carg)))
+        elif open_calls:  # Python called back from inside a C call
+            for c in open_calls:
+                c[3] = False
 
     # Releases inside an operator (a[idx] = v, a | b) are no C call to the
     # profiler: the line tracer names the line during which the counter moved.
     last = [None, 0]
 
     def trace(frame, event, arg):
-        if event == "line" or event == "return":
+        if event in ("line", "return"):
             if last[0] is not None and count[0] != last[1] and not open_calls:
                 found.append((last[0], "an operator on this line"))
             last[0], last[1] = _site(frame), count[0]
@@ -250,16 +267,17 @@ def released_in(fn, *args, switch_s: float = 1.0, **kwargs):
         time.sleep(0.001)  # the counter runs; this thread waits its switch out
         c_start = count[0]
         sys.setprofile(prof)
-        sys.settrace(trace)
+        if lines:
+            sys.settrace(trace)
         try:
             result = fn(*args, **kwargs)
         finally:
             sys.settrace(None)
             sys.setprofile(None)
-        if count[0] != c_start and not found:
+        if lines and count[0] != c_start and not found:
             found.append(("?", "a release outside any C call seen"))
     finally:
         stop.set()
         t.join()
         sys.setswitchinterval(old)
-    return result, found
+    return result

@@ -84,6 +84,38 @@ def full(n: int, value, dtype) -> np.ndarray:
     return out
 
 
+def _bool_bytes(mask) -> bytes:
+    return np.ascontiguousarray(mask, dtype=bool).tobytes()
+
+
+# numpy's reductions (any, all, sum, argmax, count_nonzero) may let the GIL go
+# whatever the length: over bool masks these scan bytes (C, GIL held).
+def any_(mask) -> bool:
+    return b"\x01" in _bool_bytes(mask)
+
+
+def all_(mask) -> bool:
+    return b"\x00" not in _bool_bytes(mask)
+
+
+def count(mask) -> int:
+    """Trues in a bool mask."""
+    return _bool_bytes(mask).count(b"\x01")
+
+
+def first_false(mask) -> int:
+    """Index of the first False (len(mask) if none): np.argmin for a bool mask
+    that has a False."""
+    b = _bool_bytes(mask)
+    i = b.find(b"\x00")
+    return len(b) if i < 0 else i
+
+
+def total(values) -> int:
+    """sum of a small int array (Python's sum over its list)."""
+    return sum(values.tolist())
+
+
 def repeats(values) -> bool:
     """Does the 1-D int array or list hold a value twice?"""
     lst = values.tolist() if isinstance(values, np.ndarray) else list(values)

@@ -15,7 +15,6 @@ goes at once, its handles only once no call is inside them (closing a handle
 a thread sleeps on, or is about to try, is undefined behaviour in POSIX).
 """
 import ctypes
-import ctypes.util
 import threading
 import time
 
@@ -29,7 +28,9 @@ _LIBC = None
 def _libc():
     global _LIBC
     if _LIBC is None:
-        lib = ctypes.PyDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        # the process's own symbols (libc on Linux): find_library would run
+        # `ldconfig -p` in a subprocess, on the first call of a hot path
+        lib = ctypes.PyDLL(None, use_errno=True)
         lib.sem_open.restype = ctypes.c_void_p
         lib.sem_open.argtypes = [ctypes.c_char_p, ctypes.c_int]
         lib.sem_trywait.argtypes = [ctypes.c_void_p]

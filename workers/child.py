@@ -23,7 +23,6 @@ Must not know what a child does, nor what its control words mean beyond
 "this word holds the pid of a ready child".
 """
 import ctypes
-import ctypes.util
 import os
 import subprocess
 import sys
@@ -39,7 +38,9 @@ def _libc():
     """libc called with the GIL held (ctypes.PyDLL)."""
     global _LIBC
     if _LIBC is None:
-        lib = ctypes.PyDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        # the process's own symbols (libc on Linux): find_library would run
+        # `ldconfig -p` in a subprocess, on the first call of a hot path
+        lib = ctypes.PyDLL(None, use_errno=True)
         lib.waitpid.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int]
         lib.waitpid.restype = ctypes.c_int
         _LIBC = lib

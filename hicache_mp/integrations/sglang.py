@@ -58,7 +58,7 @@ except ImportError as _exc:  # pragma: no cover - exercised only without SGLang
 
 import torch
 
-from shm import PageGeometry
+from shm import PageGeometry, gilkeep
 from workers import naming
 from workers import status as st
 from workers.stores import open_store
@@ -373,7 +373,7 @@ class HiCacheMP(HiCacheStorage):
         eng = self.engine
         ok = eng.present(keys)
         t0 = time.perf_counter()
-        todo = None if ok.all() else np.flatnonzero(~ok)
+        todo = None if gilkeep.all_(ok) else np.flatnonzero(~ok)
         if todo is not None:
             if len(todo) == len(keys):
                 tkeys, tpages = keys, pages
@@ -386,7 +386,7 @@ class HiCacheMP(HiCacheStorage):
             else:
                 done = self._staged_set(tkeys, tpages)
             ok[todo] = done
-        lead = len(keys) if ok.all() else int(np.argmin(ok))
+        lead = gilkeep.first_false(ok)
         self._record("backup", (0 if todo is None else len(todo)) if lead == len(keys) else 0, t0)
         return _leading(lead, len(keys))
 
@@ -398,7 +398,7 @@ class HiCacheMP(HiCacheStorage):
             raise ValueError(f"hicache_mp: {len(keys)} keys need {len(keys) * P} host indices "
                              f"(page size {P}), got shape {tuple(idx.shape)}")
         starts = idx[::P].astype(np.int64)
-        if (starts % P).any():
+        if gilkeep.any_(starts % P != 0):
             raise ValueError("hicache_mp: a page's host indices do not start on a page boundary")
         return starts // P
 
@@ -465,7 +465,7 @@ class HiCacheMP(HiCacheStorage):
                            pool.page_view(slots[j]))
 
         ok = self._through_staging(keys, write=False, take_out=take_out, stop_short=True)
-        return len(ok) if ok.all() else int(np.argmin(ok))
+        return gilkeep.first_false(ok)
 
     def _staged_set(self, keys, pages) -> np.ndarray:
         pool = self._staging_path().engine.host_pool

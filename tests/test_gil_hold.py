@@ -1,0 +1,81 @@
+"""The engine's calls on a scheduler's threads never let the GIL go.
+
+Under a scheduler loop that holds the GIL, every release costs the calling
+thread up to a switch interval to win it back (decision 74), so submitting,
+draining and asking must keep it; only the one sleep of a blocking wait may
+give it up. `giltrace.released_in` finds any C call (or operator line) during
+which another thread ran, on the numpy and Python installed here.
+"""
+import time
+
+import pytest
+
+import helpers
+from giltrace import released_in
+
+N = 128          # SGLang's STORAGE_BATCH_SIZE
+KEYS = 2000      # a long request's key list, asked about at once
+
+
+@pytest.fixture
+def eng(tmp_path):
+    with helpers.engine(str(tmp_path), pages=1024, workers=2,
+                        prefetch_policy="wait_complete") as e:
+        yield e
+
+
+def _keys(n, tag="k"):
+    return [f"{tag}{i:064x}" for i in range(n)]
+
+
+def _settle(eng, op):
+    assert eng.wait(op, timeout_s=30)
+    time.sleep(0.15)  # past the health check's interval: the next poll runs it too
+
+
+def test_sleep_releases_are_found():
+    """The finder itself: a call that lets the GIL go is named."""
+    _, found = released_in(time.sleep, 0)
+    assert any("sleep" in what for _, what in found), found
+
+
+def _each(*calls):
+    """One fn for released_in's two passes: each pass makes the next call."""
+    it = iter(calls)
+    made = []
+
+    def fn():
+        made.append(next(it)())
+        return made[-1]
+    return fn, made
+
+
+def test_submit_drain_and_ask_keep_the_gil(eng):
+    keys = _keys(KEYS)
+    batch = [keys[i * N:(i + 1) * N] for i in range(4)]
+    fn, backups = _each(lambda: eng.backup(batch[0], range(0, N)),
+                        lambda: eng.backup(batch[1], range(N, 2 * N)))
+    _, found = released_in(fn)
+    assert not found, f"backup submission let the GIL go: {found}"
+    for op in backups:
+        _settle(eng, op)
+    _, found = released_in(eng.poll)
+    assert not found, f"a poll with the health check let the GIL go: {found}"
+    fn, reads = _each(lambda: eng.prefetch(batch[0], range(2 * N, 3 * N)),
+                      lambda: eng.prefetch(batch[1], range(3 * N, 4 * N)))
+    _, found = released_in(fn)
+    assert not found, f"prefetch submission let the GIL go: {found}"
+    time.sleep(0.3)  # the workers finish; the next poll drains both batches
+
+    def drain():  # the first pass drains, the second finds the rings empty
+        eng.poll()
+    _, found = released_in(drain)
+    assert not found, f"draining a batch let the GIL go: {found}"
+    for op in reads:
+        _settle(eng, op)
+        assert op.status == "ok"
+    _, found = released_in(eng.exists, keys, wait_s=0)
+    assert not found, f"exists() over {KEYS} keys let the GIL go: {found}"
+    present, found = released_in(eng.present, keys)
+    assert not found, f"present() over {KEYS} keys let the GIL go: {found}"
+    assert present[:2 * N].all() and not present[2 * N:].any()
