@@ -8,9 +8,9 @@ tests/scaleout/test_client_death.py):
   worker is taken for stuck and killed, every op ends, every page reported
   ok holds its bytes and every acknowledged backup reads back whole;
 - SGLang's own HiCacheStorageFailureInjector wrapped around the adapter,
-  dense and hybrid: tests/integrations/test_sglang_failure_injector.py;
-- a hybrid model's sidecar file damaged on disk: a miss, never a wrong
-  Mamba state: tests/integrations/test_sglang_sidecar_damage.py.
+  dense and hybrid, and a hybrid model's sidecar file damaged on disk (a
+  miss, never a wrong Mamba state): tests/faults/test_sglang_faults.py;
+- a worker stopped with reads queued: tests/faults/test_stopped_worker.py.
 """
 import json
 import os
