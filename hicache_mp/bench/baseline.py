@@ -22,7 +22,7 @@ from workers import status as st
 from ..core import EngineCore
 from ..ops import READ, Op
 from .inprocess import InProcessThreads
-from .storedir import ensure_fanout
+from .storedir import write_page_file
 
 
 class ThreadedFileEngine(InProcessThreads, EngineCore):
@@ -42,12 +42,7 @@ class ThreadedFileEngine(InProcessThreads, EngineCore):
 
     # --- the I/O threads ------------------------------------------------------
     def _loop(self, kind: str) -> None:
-        q = self._queues[kind]
-        while True:
-            item = q.get()
-            if item is None:
-                return
-            op, pos = item
+        for op, pos in self._queued(kind):
             t0 = time.perf_counter_ns()
             if op._cancelled or self._stopping:
                 code, err = st.CANCELLED, 0
@@ -85,20 +80,13 @@ class ThreadedFileEngine(InProcessThreads, EngineCore):
         path = self._store.path(op.digests[pos])
         flat = self.host_pool.page_view(int(op.host_pages[pos])).contiguous()  # a copy, as SGLang
         self._serial += 1
-        tmp = tmpfiles.tmp_name(path, self._serial)
-        try:
-            ensure_fanout(path)
+
+        def write(tmp: str) -> None:
             with open(tmp, "wb") as f:
                 f.write(pagefile.build_header(self.geometry.page_bytes, self._fp, op.digests[pos]))
                 f.write(memoryview(flat.view(-1).view(torch.uint8).numpy()))
-            os.replace(tmp, path)
-            return st.OK, 0
-        except OSError as exc:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            return st.IOERROR, exc.errno or 0
+
+        return write_page_file(path, tmpfiles.tmp_name(path, self._serial), write)
 
     # --- hooks ----------------------------------------------------------------
     def _submit(self, op: Op) -> None:

@@ -51,7 +51,7 @@ from workers import status as st
 from ..core import EngineCore
 from ..ops import READ, Op
 from .inprocess import InProcessThreads
-from .storedir import ensure_fanout
+from .storedir import write_page_file
 
 STORAGE_BATCH_SIZE = 128          # sglang.srt.mem_cache.hicache_storage
 DIRECT_IO_LAYOUTS = ("page_first", "page_first_direct")
@@ -88,11 +88,7 @@ class FastFileEngine(InProcessThreads, EngineCore):
 
     # --- the controller threads (prefetch_io_aux / backup) --------------------
     def _loop(self, kind: str) -> None:
-        q = self._queues[kind]
-        while True:
-            op = q.get()
-            if op is None:
-                return
+        for op in self._queued(kind):
             todo = [pos for pos in range(op.num_pages) if op.page_status[pos] == st.PENDING]
             if kind == READ and todo and not (op._cancelled or self._stopping):
                 todo = self._hit_query(op, todo)
@@ -211,23 +207,15 @@ class FastFileEngine(InProcessThreads, EngineCore):
                 return st.IOERROR, exc.errno or 0
             # The store's temp form (so its stale-temp scan knows it), the PR's uniquifier.
             tmp = tmpfiles.tmp_name(path, f"{threading.get_ident()}-{uuid.uuid4().hex}")
-            fd = -1
-            try:
-                ensure_fanout(path)  # the fan-out dirs (PR: one flat dir)
+
+            def write(tmp: str) -> None:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 try:
                     self._writev_exact(fd, buffers)
                 finally:
                     os.close(fd)
-                    fd = -1
-                os.replace(tmp, path)
-                return st.OK, 0
-            except OSError as exc:
-                try:
-                    os.remove(tmp)
-                except OSError:
-                    pass
-                return st.IOERROR, exc.errno or 0
+
+            return write_page_file(path, tmp, write)  # in fan-out dirs (PR: one flat dir)
 
     def _writev_exact(self, fd: int, buffers: list) -> None:
         pending = [b for b in buffers if len(b)]

@@ -25,6 +25,10 @@ class InProcessThreads:
         for t in self._threads:
             t.start()
 
+    def _queued(self, kind: str):
+        """What is put on `kind`'s queue, until `_shutdown_io`'s None."""
+        return iter(self._queues[kind].get, None)
+
     def _sleep_for_completion(self, timeout_s: float, op=None) -> None:
         self._signal.wait(timeout_s)
         self._signal.clear()
