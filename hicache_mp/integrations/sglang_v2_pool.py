@@ -43,8 +43,11 @@ def page_starts(idx: np.ndarray, n: int, P: int):
     flat = idx.reshape(-1)
     starts = gilkeep.zeros(n, np.int64)
     gilkeep.assign(starts, flat if P == 1 else gilkeep.take(flat, gilkeep.iota(n * P)[::P]))
-    aligned = P == 1 or not any((starts[a:a + gilkeep.CHUNK] % P).any()
-                                for a in range(0, n, gilkeep.CHUNK))
+    aligned = True
+    if P > 1:   # a reduction (.any()) lets the GIL go at any size: compare bytes
+        for a in range(0, n, gilkeep.CHUNK):
+            rem = starts[a:a + gilkeep.CHUNK] % P
+            aligned = aligned and rem.tobytes() == bytes(rem.nbytes)
     return starts, aligned
 
 
