@@ -1,0 +1,47 @@
+"""A framework's dict of extra options, read the one way every adapter reads it.
+
+Three kinds of key: the engine's settings (every EngineConfig field declared
+with `setting(..., sglang=True)`: the flag was named for SGLang and means "an
+adapter may set it"), the adapter's own (a dataclass declared the same way,
+hicache_mp.config.setting), and the framework's own keys (SGLang's loader
+switches, vLLM's tier `type`/`locality`), which the adapter names. Every value
+is parsed strictly by the field that declares it, so a bad value is a
+ValueError naming its key, before any engine starts. A key none of them reads
+is what `check_known` reports: SGLang's adapter warns (its dict is shared with
+SGLang), vLLM's refuses (the dict is the tier's alone). Must not start anything.
+"""
+from ...config import EngineConfig, sglang_keys, sglang_options
+
+
+def settable_keys(own_cls=None) -> frozenset:
+    """Every key an adapter with own settings `own_cls` passes on or reads itself."""
+    keys = sglang_keys()
+    return keys | sglang_keys(own_cls) if own_cls is not None else keys
+
+
+def own_settings(own_cls, extra: dict):
+    """`own_cls` built from the keys of `extra` it declares (a None value keeps
+    the default), each parsed by its declaration."""
+    mine = sglang_keys(own_cls)
+    return own_cls(**{k: v for k, v in extra.items() if k in mine and v is not None})
+
+
+def check_known(extra: dict, known) -> list[str]:
+    """The keys of `extra` nobody reads, sorted (empty when all are known)."""
+    return sorted(set(extra) - set(known))
+
+
+def engine_config(extra: dict, *, storage_dir: str, host_pool_pages: int, defaults=None,
+                  **fixed) -> EngineConfig:
+    """The EngineConfig for an adapter's engine: the engine settings present in
+    `extra`, `defaults` for those absent (e.g. node_engines), and `fixed`, which
+    the adapter decides and `extra` cannot set (the key namespace: model_name,
+    tp_rank, tp_size, namespace_extra)."""
+    options = sglang_options(extra)
+    clash = sorted(set(options) & set(fixed))
+    if clash:
+        raise ValueError(f"extra options {clash} are set by the adapter itself")
+    options["storage_dir"] = storage_dir
+    for key, value in (defaults or {}).items():
+        options.setdefault(key, value)
+    return EngineConfig(host_pool_pages=host_pool_pages, **options, **fixed)

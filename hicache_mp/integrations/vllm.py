@@ -1,0 +1,303 @@
+"""hicache_mp as a vLLM KV-offloading secondary tier (vLLM's TieringOffloadingSpec).
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both", "kv_connector_extra_config": {
+            "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 68719476736,
+            "secondary_tiers": [{"type": "HiCacheMPTier",
+                                 "module_path": "hicache_mp.integrations.vllm",
+                                 "storage_dir": "/mnt/nvme0/kv,/mnt/nvme1/kv",
+                                 "storage_max_bytes": "2T"}]}}'
+
+vLLM's SecondaryTierFactory builds `HiCacheMPTier(offloading_spec=,
+primary_kv_view=, tier_type=, backpressure_detector=, **rest of the dict)`.
+`primary_kv_view` is a (num_chunks, row_bytes) memoryview over vLLM's CPU
+tier, the shared mmap of /dev/shm/vllm_offload_<engine_id>.mmap. The engine
+maps that same file in its worker processes (found through /proc/self/maps,
+integrations.common.mapping) and they preadv/pwritev page files straight into
+and out of its rows: zero copy, no staging pool, no page byte in this process.
+One engine page is one row (a flat uint8 geometry of row_bytes).
+
+vLLM calls every method on its scheduler thread, under its manager lock, and
+none may block: submit_store/submit_load hand records to the engine's rings
+and return (engine.backup / engine.prefetch), get_finished_jobs polls the
+engine (engine.poll: counter loads and small numpy drains) and answers for the
+jobs whose op is done; lookup answers from the engine's in-memory index
+(vllm_lookup). Only drain_jobs and shutdown wait, as vLLM's contract says.
+
+Capacity (storage_max_bytes, storage_min_free_bytes: LRU eviction by a
+separate process), several directories (storage_dir as a comma-separated
+string or a list), checksums and the stall watchdog are the engine's, set from
+the same keys as for SGLang. Keys: vLLM's OffloadKey bytes as hex, in a
+namespace made from vLLM's own FileMapper identity (model, parallel layout,
+dtype, groups) and the row size, so instances share pages exactly when vLLM's
+`fs` tier would let them. Tested with vLLM 0.33.0 (`.ci/vllm-requirements.txt`).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from shm import PageGeometry
+from workers import status as st
+
+from ..config import parse_value, setting, settings
+from ..core import EngineClosed
+from ..engine import PrefetchEngine
+from .common import RegionNotShared, check_known, engine_config, engine_key, engine_keys, \
+    file_region, open_region, own_settings, settable_keys, wait_or_abandon
+from .vllm_import import JobResult, Locality, LookupResult, Medium, OffloadingEvent, \
+    RequestOffloadingContext, SecondaryTierManager, TransferJob
+from .vllm_lookup import Lookups
+
+log = logging.getLogger("hicache_mp.vllm")
+
+_VERDICT = {"hit": LookupResult.HIT, "miss": LookupResult.MISS, "retry": LookupResult.RETRY}
+
+
+@dataclass
+class TierSettings:
+    """This tier's own keys, declared as the engine's are (hicache_mp.config)."""
+    drain_timeout_s: float = setting(math.inf, "drain_jobs() waits this long per job, then "
+                                     "abandons it (its unfinished pages fail; a stuck worker "
+                                     "is killed and replaced)", sglang=True, lo=0,
+                                     lo_open=True, finite=False)
+
+    def __post_init__(self):
+        for f in settings(type(self)):
+            setattr(self, f.name, parse_value(f, getattr(self, f.name)))
+
+
+# Keys of the tier dict that vLLM itself reads (SecondaryTierFactory pops type,
+# module_path and backpressure; locality is also passed on to the tier).
+VLLM_OWN_KEYS = frozenset({"type", "module_path", "backpressure"})
+TIER_KEYS = frozenset({"storage_dir", "locality", "enable_kv_events"})
+
+
+def row_geometry(row_bytes: int) -> PageGeometry:
+    """One engine page per vLLM CPU-tier row: `row_bytes` opaque bytes."""
+    return PageGeometry(num_layers=1, num_kv_heads=1, head_dim=int(row_bytes), page_size=1,
+                        dtype="uint8", mla=True)
+
+
+@dataclass(slots=True)
+class _Job:
+    job_id: int
+    load: bool
+    keys: list                # vLLM's keys, in the job's order
+    op: object = None         # the engine op (None: nothing to move)
+    pos: np.ndarray = None    # the job positions the op's pages are (None: all, in order)
+    done_ok: np.ndarray = None  # per job position: settled ok without the op (stores)
+
+
+class HiCacheMPTier(SecondaryTierManager):
+    """See the module docstring. Extra keys: `storage_dir` (required), `locality`,
+    `enable_kv_events`, `drain_timeout_s`, and every engine setting an adapter
+    may set (num_workers, storage_max_bytes, write_checksum, direct_io, ...).
+    An unknown key is a ValueError: the dict is this tier's alone."""
+
+    medium = Medium.STORAGE
+
+    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector=None, *, storage_dir=None, locality: str | None = None,
+                 enable_kv_events: bool = False, **options):
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        unknown = check_known(options, settable_keys(TierSettings))
+        if unknown:
+            raise ValueError(f"hicache_mp vLLM tier: unknown key(s) {unknown} (known: "
+                             f"{', '.join(sorted(TIER_KEYS | settable_keys(TierSettings)))})")
+        if not storage_dir:
+            raise ValueError('hicache_mp vLLM tier: "storage_dir" is required (a directory, '
+                             'a comma-separated list of them, or a list)')
+        if isinstance(storage_dir, (list, tuple)):
+            storage_dir = ",".join(str(d) for d in storage_dir)
+        self.own = own_settings(TierSettings, options)
+        self.locality = Locality(locality) if locality is not None else None
+        self.events = [] if enable_kv_events and getattr(
+            offloading_spec.kv_events_config, "enable_kv_cache_events", False) else None
+        self.row_bytes = self.block_size_bytes
+        self.num_chunks = int(primary_kv_view.shape[0])
+        if primary_kv_view.nbytes != self.num_chunks * self.row_bytes:
+            raise ValueError(f"hicache_mp vLLM tier: primary_kv_view {primary_kv_view.shape} "
+                             f"with strides {primary_kv_view.strides} is not whole rows")
+        try:
+            region = file_region(primary_kv_view)
+            fd = open_region(region)
+        except RegionNotShared as exc:
+            raise ValueError(f"hicache_mp vLLM tier: the CPU tier's memory must be a shared "
+                             f"file mapping (vLLM's /dev/shm/vllm_offload_*.mmap) so workers "
+                             f"can map it: {exc}") from None
+        try:
+            cfg = engine_config(options, storage_dir=storage_dir,
+                                host_pool_pages=self.num_chunks, **namespace(offloading_spec))
+            self.engine = PrefetchEngine(cfg, row_geometry(self.row_bytes),
+                                         pool_parts=[(fd, region.offset, self.row_bytes)])
+        finally:
+            os.close(fd)  # the engine keeps its own dup
+        self.region = region
+        self._lookups = Lookups(self.engine)
+        self._jobs: dict[int, _Job] = {}
+        self._finished: list[JobResult] = []   # jobs settled at submit (nothing to move)
+        self._busy = np.zeros(self.num_chunks, dtype=bool)  # rows an op in flight names
+        self._warned: set = set()
+        log.info("hicache_mp: vLLM tier %r zero-copy over %s (%d rows of %d bytes, %d workers, "
+                 "store %s)", tier_type, region.path, self.num_chunks, self.row_bytes,
+                 self.engine.worker_count(), cfg.storage_dir)
+
+    # --- lookups ----------------------------------------------------------------
+    def lookup(self, key, req_context) -> LookupResult:
+        return _VERDICT[self._lookups.lookup(engine_key(key))]
+
+    def on_new_request(self, req_context) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_schedule_end(self, context) -> None:
+        self._lookups.flush()
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs) or bool(self._finished) or self._lookups.pending
+
+    # --- transfers --------------------------------------------------------------
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        keys, ekeys, rows = self._job_input(job_metadata)
+        if rows is None:
+            return
+        # Rows already in the store, or named by a store in flight (vLLM may cascade
+        # one chunk twice), need no write: settled ok here.
+        skip = self.engine.present(ekeys) | self._busy[rows]
+        job = _Job(job_metadata.job_id, False, keys, done_ok=skip)
+        todo = np.flatnonzero(~skip)
+        if len(todo) == 0:
+            self._settle(job)
+            return
+        self._start(job, ekeys, rows, None if len(todo) == len(keys) else todo)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        keys, ekeys, rows = self._job_input(job_metadata)
+        if rows is None:
+            return
+        busy = self._busy[rows]  # never expected: a promotion gets fresh rows
+        job = _Job(job_metadata.job_id, True, keys)
+        self._start(job, ekeys, rows, np.flatnonzero(~busy) if busy.any() else None)
+
+    def _job_input(self, job: TransferJob):
+        keys = list(job.keys)
+        rows = np.asarray(job.chunk_ids).astype(np.int64, copy=False).reshape(-1)
+        if len(rows) != len(keys) or (len(rows) and (rows.min() < 0 or
+                                                     rows.max() >= self.num_chunks)):
+            self._warn("input", f"hicache_mp vLLM tier: job {job.job_id} has {len(keys)} keys "
+                                f"and chunk ids {rows[:8].tolist()} (of {self.num_chunks} rows); "
+                                "failed")
+            self._finished.append(JobResult(job_id=job.job_id, success=False))
+            return keys, None, None
+        return keys, engine_keys(keys), rows
+
+    def _start(self, job: _Job, ekeys, rows, pos) -> None:
+        if pos is not None:
+            ekeys, rows = [ekeys[i] for i in pos.tolist()], rows[pos]
+        job.pos = pos
+        try:
+            job.op = (self.engine.prefetch(ekeys, rows, policy="best_effort") if job.load
+                      else self.engine.backup(ekeys, rows))
+        except (EngineClosed, ValueError, RuntimeError) as exc:
+            # A closed or broken engine, or rows an op in flight still holds: the
+            # job fails cleanly; vLLM recomputes (load) or keeps the chunk (store).
+            self._warn(type(exc).__name__, f"hicache_mp vLLM tier: job {job.job_id} failed: "
+                                           f"{exc}")
+            job.op = None
+            self._settle(job)
+            return
+        if job.op.done:  # every page settled at once (dropped, busy rings)
+            self._settle(job)
+            return
+        self._busy[rows] = True
+        self._jobs[job.job_id] = job
+
+    def get_finished_jobs(self):
+        out, self._finished = self._finished, []
+        if not self.engine.closed:
+            self.engine.poll()  # also lands the probe answers lookups wait for
+        if not self._jobs:
+            return out
+        for job_id in [j for j, job in self._jobs.items() if job.op.done]:
+            job = self._jobs.pop(job_id)
+            self._busy[job.op.host_pages] = False
+            out.append(self._result(job))
+        return out
+
+    def _keep(self, results) -> None:
+        """Results collected outside get_finished_jobs(), reported by its next call."""
+        self._finished.extend(results)  # `results` first: it swaps self._finished
+
+    def _settle(self, job: _Job) -> None:
+        self._finished.append(self._result(job))
+
+    def _result(self, job: _Job) -> JobResult:
+        n = len(job.keys)
+        ok = np.zeros(n, dtype=bool) if job.done_ok is None else job.done_ok.copy()
+        op, seconds, moved = job.op, None, 0
+        if op is not None:
+            landed = op.page_status == st.OK
+            ok[slice(None) if job.pos is None else job.pos] = landed
+            moved = int(landed.sum())
+            seconds = (op.done_ns - op.submit_ns) / 1e9 if op.done_ns else None
+        nbytes = moved * self.row_bytes or None
+        if ok.all():
+            if not job.load and self.events is not None and job.keys:
+                self.events.append(OffloadingEvent(keys=job.keys, medium=self.medium,
+                                                   removed=False, locality=self.locality))
+            return JobResult(job_id=job.job_id, success=True, transfer_time=seconds,
+                             transfer_bytes=nbytes)
+        good = None
+        if job.load and ok.any():  # vLLM keeps the rows that landed
+            good = tuple(job.keys[i] for i in np.flatnonzero(ok).tolist())
+        return JobResult(job_id=job.job_id, success=False, successful_keys=good,
+                         transfer_time=seconds, transfer_bytes=nbytes)
+
+    def take_events(self):
+        if self.events:
+            out, self.events = self.events, []
+            return out
+        return ()
+
+    def drain_jobs(self) -> None:
+        """Wait until every job is done (vLLM then reuses the rows); results stay
+        for the next get_finished_jobs()."""
+        timeout = None if math.isinf(self.own.drain_timeout_s) else self.own.drain_timeout_s
+        for job in list(self._jobs.values()):
+            if self.engine.closed:
+                break
+            wait_or_abandon(self.engine, job.op, timeout)
+        self._keep(self.get_finished_jobs())
+
+    def shutdown(self) -> None:
+        """Let stores in flight finish (bounded), cancel loads, stop the workers
+        and release every segment. vLLM's CPU-tier file is left to vLLM."""
+        self.engine.close(flush=True)
+        self._keep(self.get_finished_jobs())
+
+    # --- observability ------------------------------------------------------------
+    def metrics(self) -> dict:
+        out = dict(self.engine.metrics()) if not self.engine.closed else {}
+        out.update(zero_copy=True, region=self.region.path, jobs_in_flight=len(self._jobs))
+        return out
+
+    def _warn(self, cause: str, msg: str) -> None:
+        if cause not in self._warned:
+            self._warned.add(cause)
+            log.warning(msg + " (later ones with this cause are not logged)")
+
+
+def namespace(offloading_spec) -> dict:
+    """The engine's key namespace for this vLLM instance: vLLM's own FileMapper
+    identity (what decides whether its `fs` tier shares a directory), taken
+    parallelism-agnostic as vLLM's `fs` tier takes it."""
+    from vllm.v1.kv_offload.file_mapper import FileMapper  # vLLM's engine has it loaded
+    fm = FileMapper.from_offloading_spec(root_dir="", offloading_spec=offloading_spec,
+                                         blocks_per_file=offloading_spec.blocks_per_chunk,
+                                         parallel_agnostic=True)
+    return {"model_name": offloading_spec.config.model.name,
+            "namespace_extra": f"vllm:{os.path.basename(fm.base_path)}_r{fm.rank}"}

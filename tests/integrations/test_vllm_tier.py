@@ -1,0 +1,251 @@
+"""HiCacheMPTier through vLLM's real tiering classes (pinned: .ci/vllm-requirements.txt).
+
+vLLM's own TieringOffloadingSpec parses the config and builds the tier through
+SecondaryTierFactory; its SharedOffloadRegion is the CPU tier (a real mmap
+file in /dev/shm) and primary_kv_view is its memoryview; jobs are vLLM's
+TransferJob and answers its JobResult. The engine's workers are real
+processes reading and writing real page files straight into that mmap.
+"""
+import importlib.util
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed; install it with "
+                "`pip install --no-deps -r .ci/vllm-requirements.txt`", allow_module_level=True)
+
+from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
+from vllm.v1.kv_offload.tiering.backpressure import EMABackpressureDetector  # noqa: E402
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
+
+from hicache_mp.integrations.vllm import HiCacheMPTier  # noqa: E402
+from storagekit import store_bytes  # noqa: E402
+from vllm_tiers import OURS, STEP, fill, finish, job, key, region_path, resolve, rows_of, \
+    tiering  # noqa: E402
+
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
+ROW = 64 << 10
+
+
+def ours(store, **kw) -> dict:
+    return {**OURS, "storage_dir": store, "num_workers": 2, **kw}
+
+
+@pytest.fixture(autouse=True)
+def no_region_left():
+    before = {n for n in os.listdir("/dev/shm") if n.startswith("vllm_offload_hicache-test-")}
+    yield
+    left = {n for n in os.listdir("/dev/shm") if n.startswith("vllm_offload_hicache-test-")}
+    assert not left - before, f"vLLM CPU-tier files left in /dev/shm: {sorted(left - before)}"
+
+
+def test_vllms_factory_and_spec_build_the_tier(store):
+    cfg = ours(store, storage_max_bytes="64M", write_checksum="true",
+               backpressure={"backpressure_cls": "EMABackpressureDetector"})
+    assert SecondaryTierFactory.get_tier_class(cfg) is HiCacheMPTier
+    # vLLM's config parsing resolves the out-of-tree class (metric definitions, labels).
+    extra = {"cpu_bytes_to_use": ROW * 8, "secondary_tiers": [cfg]}
+    assert TieringOffloadingSpec._get_secondary_tiers(extra) == [(cfg, HiCacheMPTier)]
+    assert "tier" in TieringOffloadingSpec.config_info_keys(extra)
+    with tiering([cfg], rows=8) as (spec, manager):
+        tier = manager.secondary_tiers[0]
+        assert isinstance(tier, HiCacheMPTier) and tier.tier_type == "HiCacheMPTier"
+        assert isinstance(tier.bp_detector, EMABackpressureDetector)
+        assert tier.region.path == region_path(spec._engine_id)
+        assert (tier.num_chunks, tier.row_bytes) == (8, ROW)
+        cfg_e = tier.engine.config
+        assert (cfg_e.storage_max_bytes, cfg_e.write_checksum, cfg_e.host_pool_pages) == \
+            (64 << 20, True, 8)
+        assert tier.engine.worker_count() == 2 and tier.engine.shared_pool
+        assert "test/model" in tier.engine.namespace
+        engine = tier.engine
+    assert engine.closed and not os.path.exists(region_path(spec._engine_id))
+
+
+@pytest.mark.parametrize("bad, why", [
+    ({"root_dir": "/tmp/x"}, "unknown key"),
+    ({"storage_max_bytes": "lots"}, "storage_max_bytes"),
+    ({"num_workers": -1}, "num_workers"),
+    ({"drain_timeout_s": 0}, "drain_timeout_s"),
+    ({"storage_dir": ""}, "storage_dir"),
+])
+def test_bad_tier_config_is_refused_before_anything_starts(store, bad, why):
+    with pytest.raises(ValueError, match=why):
+        with tiering([ours(store, **bad)], rows=4):
+            pass
+
+
+def test_store_then_lookup_then_load_byte_exact(store):
+    with tiering([ours(store)]) as (_, manager):
+        tier = manager.secondary_tiers[0]
+        view = rows_of(tier)
+        keys = [key(i) for i in range(8)]
+        data = fill(view, range(8), seed=1)
+        tier.submit_store(job(1, keys, range(8), load=False))
+        res = finish(tier, [1])[1]
+        assert res.success and res.transfer_bytes == 8 * ROW
+        assert resolve(tier, keys) == [HIT] * 8
+        view[16:24] = 0
+        tier.submit_load(job(2, keys, range(16, 24), load=True))
+        res = finish(tier, [2])[2]
+        assert res.success and res.successful_keys is None
+        assert np.array_equal(view[16:24], data)
+        # Stored again: nothing written, the job is settled at once.
+        written = tier.engine.metrics()["write_pages_ok"]
+        tier.submit_store(job(3, keys, range(8), load=False))
+        assert finish(tier, [3])[3].success
+        assert tier.engine.metrics()["write_pages_ok"] == written == 8
+        del view
+
+
+def test_through_vllms_tiering_manager(store):
+    """vLLM's own flow: a GPU->CPU store cascades to this tier; after a cache
+    reset a lookup promotes the chunks back (HIT_PENDING, then HIT)."""
+    with tiering([ours(store)], rows=16) as (_, manager):
+        view = rows_of(manager.secondary_tiers[0])
+        keys = [key(100 + i) for i in range(6)]
+        ctx = ReqContext(req_id="a")
+        manager.on_new_request(ctx)
+        out = manager.prepare_store(keys, ctx)
+        stored_rows = list(out.store_spec.chunk_ids)
+        data = fill(view, stored_rows, seed=2)       # the GPU->CPU copy
+        manager.complete_store(keys, ctx)             # cascades: submit_store
+        deadline = time.monotonic() + 30
+        while manager.has_pending_work() and time.monotonic() < deadline:
+            manager.on_schedule_end(STEP)
+            time.sleep(0.001)
+        manager.on_request_finished(ctx)
+        manager.reset_cache()                         # drain_jobs; the CPU tier forgets all
+        manager.on_reset_flushed()
+        view[:] = 0
+        ctx = ReqContext(req_id="b")
+        manager.on_new_request(ctx)
+        answers = []
+        while time.monotonic() < deadline:
+            answers = [manager.lookup(k, ctx) for k in keys]
+            if answers == [HIT] * 6:
+                break
+            manager.on_schedule_end(STEP)            # submits the promotion
+            time.sleep(0.001)
+        assert answers == [HIT] * 6
+        rows = manager.prepare_load(keys, ctx).chunk_ids
+        got = view[np.asarray(rows)]
+        assert np.array_equal(got, data)
+        manager.complete_load(keys, ctx)
+        manager.on_request_finished(ctx)
+        del view
+
+
+def test_misses(store):
+    with tiering([ours(store)]) as (_, manager):
+        tier = manager.secondary_tiers[0]
+        view = rows_of(tier)
+        data = fill(view, [0, 1], seed=3)
+        tier.submit_store(job(1, [key(0), key(2)], [0, 1], load=False))
+        assert finish(tier, [1])[1].success
+        assert resolve(tier, [key(0), key(1), key(2)]) == [HIT, MISS, HIT]
+        view[8:11] = 7
+        keys = [key(0), key(1), key(2)]
+        tier.submit_load(job(2, keys, [8, 9, 10], load=True))
+        res = finish(tier, [2])[2]
+        assert not res.success and res.successful_keys == (key(0), key(2))
+        assert np.array_equal(view[[8, 10]], data) and (view[9] == 7).all()
+        tier.submit_load(job(3, [key(5), key(6)], [11, 12], load=True))
+        res = finish(tier, [3])[3]
+        assert not res.success and res.successful_keys is None
+        assert tier.engine.metrics()["misses"] == 3
+        del view
+
+
+def test_store_stays_under_storage_max_bytes(store):
+    limit = 12 * (4096 + ROW)
+    with tiering([ours(store, storage_max_bytes=limit, eviction_interval_s=0.1)],
+                 rows=16) as (_, manager):
+        tier = manager.secondary_tiers[0]
+        view = rows_of(tier)
+        peak, ok_keys = 0, []
+        for rnd in range(10):
+            keys = [key(1000 + rnd * 8 + i) for i in range(8)]
+            rows = range(8 * (rnd % 2), 8 * (rnd % 2) + 8)
+            fill(view, rows, seed=rnd)
+            tier.submit_store(job(10 + rnd, keys, rows, load=False))
+            finish(tier, [10 + rnd])
+            peak = max(peak, store_bytes(store))
+            ok_keys = keys
+            time.sleep(0.15)  # one eviction pass
+        assert peak <= limit, f"store reached {peak} bytes, limit {limit}"
+        assert tier.engine.metrics()["evicted_pages"] > 0
+        # The newest pages are the ones kept.
+        assert resolve(tier, ok_keys[:4]).count(HIT) >= 1
+        del view
+
+
+def test_a_killed_worker_fails_its_pages_cleanly_and_later_jobs_work(store):
+    with tiering([ours(store)], rows=32) as (_, manager):
+        tier = manager.secondary_tiers[0]
+        view = rows_of(tier)
+        keys = [key(i) for i in range(8)]
+        data = fill(view, range(8), seed=4)
+        tier.submit_store(job(1, keys, range(8), load=False))
+        assert finish(tier, [1])[1].success
+        victim = tier.engine.worker_pids()[0]
+        os.kill(victim, signal.SIGSTOP)      # holds its share of the load, then dies
+        view[8:16] = 0
+        tier.submit_load(job(2, keys, range(8, 16), load=True))
+        os.kill(victim, signal.SIGKILL)
+        res = finish(tier, [2])[2]
+        assert not res.success
+        good = [keys.index(k) for k in (res.successful_keys or ())]
+        assert len(good) < 8
+        assert np.array_equal(view[[8 + i for i in good]], data[good])
+        deadline = time.monotonic() + 30
+        while victim in tier.engine.worker_pids() and time.monotonic() < deadline:
+            tier.get_finished_jobs()
+            time.sleep(0.01)
+        view[16:24] = 0
+        tier.submit_load(job(3, keys, range(16, 24), load=True))
+        res = finish(tier, [3])[3]
+        assert res.success and np.array_equal(view[16:24], data)
+        assert tier.engine.metrics()["read_status"].get("worker_died", 0) >= 1
+        del view
+
+
+def test_shutdown_with_jobs_in_flight(store):
+    with tiering([ours(store)]) as (_, manager):
+        tier = manager.secondary_tiers[0]
+        view = rows_of(tier)
+        fill(view, range(8), seed=5)
+        keys = [key(i) for i in range(8)]
+        tier.submit_store(job(1, keys, range(8), load=False))
+        tier.shutdown()                      # lets the store finish (close(flush=True))
+        got = finish(tier, [1], timeout_s=5)
+        assert got[1].success
+        tier.submit_load(job(2, keys, range(8, 16), load=True))
+        tier.submit_store(job(3, [key(50)], [0], load=False))
+        got = finish(tier, [2, 3], timeout_s=5)
+        assert not got[2].success and not got[3].success
+        assert tier.lookup(keys[0], ReqContext(req_id="x")) == MISS
+        assert tier.engine.closed and os.path.exists(tier.region.path)  # vLLM's file
+        tier.drain_jobs()
+        del view
+
+
+def test_two_vllm_instances_share_one_store(store):
+    with tiering([ours(store)]) as (_, a), tiering([ours(store)]) as (_, b):
+        ta, tb = a.secondary_tiers[0], b.secondary_tiers[0]
+        assert ta.region.path != tb.region.path
+        va, vb = rows_of(ta), rows_of(tb)
+        keys = [key(500 + i) for i in range(6)]
+        data = fill(va, range(6), seed=6)
+        ta.submit_store(job(1, keys, range(6), load=False))
+        assert finish(ta, [1])[1].success
+        assert resolve(tb, keys) == [HIT] * 6   # found by B's workers' probes
+        tb.submit_load(job(1, keys, range(10, 16), load=True))
+        assert finish(tb, [1])[1].success
+        assert np.array_equal(vb[10:16], data)
+        del va, vb
