@@ -14,7 +14,9 @@ PACKAGES = ("shm", "workers", "hicache_mp")
 
 # Modules that need an optional dependency: without it, their import must
 # fail with the ImportError that says what to install (and nothing else).
-OPTIONAL = {"hicache_mp.integrations.sglang": "needs SGLang"}
+OPTIONAL = {"hicache_mp.integrations.sglang": "needs SGLang",
+            "hicache_mp.integrations.vllm": "needs vLLM",
+            "hicache_mp.integrations.vllm_import": "needs vLLM"}
 
 # Every import of a project module inside a function, and why it is there.
 # None of them may be there only to break a cycle.
