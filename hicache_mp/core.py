@@ -186,7 +186,8 @@ class EngineCore(Closing):
         waits up to that long (GIL released) for them. Head first because a
         prefix whose first missing page is absent is no longer whatever
         follows: asking about the rest would cost the store a stat per key,
-        and this thread a digest per key, for nothing.
+        and this thread a digest per key, for nothing. EngineClosed once the
+        engine is closed (also when a close() interrupted this call).
         """
         self._check_open()
         try:
@@ -374,7 +375,8 @@ class EngineCore(Closing):
 
         `timeout_s`: seconds, or None / inf for none. Signals do not end the wait
         early (an interrupted sleep is resumed within the deadline). On a closed
-        engine, also one closed meanwhile by another thread, raises EngineClosed.
+        engine, also one closed meanwhile by another thread or by a signal
+        handler that interrupted this wait, raises EngineClosed.
         """
         timeout_s = check_timeout(timeout_s)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
