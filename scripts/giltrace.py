@@ -24,6 +24,7 @@ Owns no engine logic; imports nothing from the project.
 from __future__ import annotations
 
 import collections
+import gc
 import os
 import sys
 import threading
@@ -210,20 +211,19 @@ def table(report: dict, label: str) -> list[str]:
 
 # --- which C calls inside fn let the GIL go -----------------------------------------
 def released_in(fn, *args, switch_s: float = 1.0, **kwargs):
-    """(fn's result, [(site, what)] of the places during which another thread ran).
+    """(fn's result, [(site, what)] of the lines or C calls during which another
+    thread ran).
 
-    A second thread counts in pure Python. Two passes of fn:
-    - long switch interval (`switch_s`): the counter can only run while fn's
-      thread gave the GIL up; a line or C call during which it moved let it go
-      (fn must take well under `switch_s`; each release found costs about that);
-    - short switch interval (0.2 ms): the counter's request for the GIL is
-      pending nearly always, so CPython hands the GIL over at any release, even
-      a few microseconds long; forced switches come too, but only between
-      bytecodes, so only a C call with no Python inside it counts here.
-    fn runs twice: it must be repeatable."""
+    A second thread counts in pure Python while the switch interval is long
+    (`switch_s`): it can only run while fn's thread gave the GIL up, so a line
+    or C call during which its counter moved let the GIL go. fn must take well
+    under `switch_s`; each release found costs about that long. A release of a
+    few microseconds may be missed (the counter must wake inside it): repeat
+    the call to find those. (A short switch interval would catch them, but its
+    forced switches land inside the profile function itself and read as
+    releases of whatever C call it brackets.)"""
     found = []
     result = _pass(fn, args, kwargs, switch_s, found, lines=True)
-    _pass(fn, args, kwargs, 0.0002, found, lines=False)
     return result, found
 
 
@@ -261,6 +261,10 @@ def _pass(fn, args, kwargs, switch_s, found, *, lines):
             last[0], last[1] = _site(frame), count[0]
         return trace
 
+    # No collection inside: finalizers it runs while the profile function runs
+    # are untraced Python, whose forced switches would read as releases.
+    gc_was = gc.isenabled()
+    gc.disable()
     sys.setswitchinterval(switch_s)
     t.start()
     try:
@@ -280,4 +284,6 @@ def _pass(fn, args, kwargs, switch_s, found, *, lines):
         stop.set()
         t.join()
         sys.setswitchinterval(old)
+        if gc_was:
+            gc.enable()
     return result

@@ -333,6 +333,7 @@ def run_backend(sgl, backend, args, root, floor: "Stack | None" = None) -> dict:
                     handoffs.append((sched.handoffs, sched.handoff_s))
                 elif mode == "busy_switch":
                     out.setdefault("loop_rate_switch", []).append(sched.rate())
+        w1, calls = _wakeups(s), s.calls["batch_get_v1"] - c0  # the timed rounds' only
         if args.trace and args.trace_runs:
             # traced rounds after the timed ones: the tracer's own Python on
             # SGLang's threads stays out of the timings
@@ -349,7 +350,6 @@ def run_backend(sgl, backend, args, root, floor: "Stack | None" = None) -> dict:
             out[f"{mode}_s"] = ts
             out[f"{mode}_median_s"] = median(ts)
             out[f"{mode}_gbps"] = gb / median(ts)
-        w1, calls = _wakeups(s), s.calls["batch_get_v1"] - c0
         if w0 is not None and calls:
             # the engine's sleeps per batch: each gives up and takes back the GIL
             out["wakeups_per_batch_get"] = {"posted": (w1[0] - w0[0]) / calls,

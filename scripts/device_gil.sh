@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue-22 figures on the GPU box in one call (about 9 minutes): the GIL-hold
+# test on the box's numpy, the real SGLang stack (nobytes floor interleaved
+# with mp, idle and busy, GIL tracer), the main job's 20-request TTFT (none
+# and mp) and bench_prefetch. Needs .whl (scripts/device_wheels.sh) carried.
+# Usage: scripts/device_gil.sh OUTDIR
+set -u
+out=${1:?usage: scripts/device_gil.sh OUTDIR}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+. scripts/device_deps.sh
+nvidia-smi --query-gpu=name --format=csv,noheader | head -1; nproc
+python3 -c "import numpy, sys; print('numpy', numpy.__version__, 'python', sys.version.split()[0])"
+step() {  # name limit cmd...: run, log to $out/name.log, say how it went
+  local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  echo "== $name rc=$? in $((SECONDS - t0))s"
+}
+step gil_hold 60 python3 -m pytest -q -p no:cacheprovider tests/test_gil_hold.py
+tail -n 4 "$out/gil_hold.log"
+step stack 200 python3 scripts/sglang_stack.py --backends nobytes,mp --round-mib 2048 --page-mib 8 \
+  --runs 7 --trace-runs 2 --inject-rounds 0 --no-mixed --store /tmp --json "$out/stack.json"
+grep -v "^INFO\|Warning\|warnings.warn\|^{\"backend\|^sglang_real\|^sgl_kernel" "$out/stack.log" | tail -n 42
+for b in none mp; do
+  step "lc_$b" 100 python3 scripts/bench_long_context.py --num-requests 20 \
+    --hicache-storage-backend "$b" --storage-dir /tmp/hicache_mp_lc --json "$out/lc_$b.json"
+  grep -i "ttft\|GB/s (mean)\|loop it/s" "$out/lc_$b.log" | tail -n 6
+done
+step prefetch 110 python3 scripts/bench_prefetch.py --workers 14 --pages 1024 --rounds 2 \
+  --repeats 3 --storage-dir /tmp/hicache_mp_prefetch --json "$out/prefetch.json"
+tail -n 12 "$out/prefetch.log"
