@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shm import PageGeometry
+from shm import PageGeometry, gilkeep
 from workers import status as st
 
 from ..config import parse_value, setting, settings
@@ -141,7 +141,7 @@ class HiCacheMPTier(SecondaryTierManager):
         self._lookups = Lookups(self.engine)
         self._jobs: dict[int, _Job] = {}
         self._finished: list[JobResult] = []   # jobs settled at submit (nothing to move)
-        self._busy = np.zeros(self.num_chunks, dtype=bool)  # rows an op in flight names
+        self._busy = gilkeep.zeros(self.num_chunks, bool)  # rows an op in flight names
         self._warned: set = set()
         log.info("hicache_mp: vLLM tier %r zero-copy over %s (%d rows of %d bytes, %d workers, "
                  "store %s)", tier_type, region.path, self.num_chunks, self.row_bytes,
@@ -167,37 +167,34 @@ class HiCacheMPTier(SecondaryTierManager):
             return
         # Rows already in the store, or named by a store in flight (vLLM may cascade
         # one chunk twice), need no write: settled ok here.
-        skip = self.engine.present(ekeys) | self._busy[rows]
+        skip = _either(self.engine.present(ekeys), gilkeep.take(self._busy, rows))
         job = _Job(job_metadata.job_id, False, keys, done_ok=skip)
-        todo = np.flatnonzero(~skip)
-        if len(todo) == 0:
+        if gilkeep.all_(skip):
             self._settle(job)
             return
-        self._start(job, ekeys, rows, None if len(todo) == len(keys) else todo)
+        self._start(job, ekeys, rows, _where(skip, False) if gilkeep.any_(skip) else None)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys, ekeys, rows = self._job_input(job_metadata)
         if rows is None:
             return
-        busy = self._busy[rows]  # never expected: a promotion gets fresh rows
+        busy = gilkeep.take(self._busy, rows)  # never expected: a promotion gets fresh rows
         job = _Job(job_metadata.job_id, True, keys)
-        self._start(job, ekeys, rows, np.flatnonzero(~busy) if busy.any() else None)
+        self._start(job, ekeys, rows, _where(busy, False) if gilkeep.any_(busy) else None)
 
     def _job_input(self, job: TransferJob):
         keys = list(job.keys)
-        rows = np.asarray(job.chunk_ids).astype(np.int64, copy=False).reshape(-1)
-        if len(rows) != len(keys) or (len(rows) and (rows.min() < 0 or
-                                                     rows.max() >= self.num_chunks)):
+        ids = np.asarray(job.chunk_ids).reshape(-1).tolist()  # Python ints: no numpy cast
+        if len(ids) != len(keys) or (ids and (min(ids) < 0 or max(ids) >= self.num_chunks)):
             self._warn("input", f"hicache_mp vLLM tier: job {job.job_id} has {len(keys)} keys "
-                                f"and chunk ids {rows[:8].tolist()} (of {self.num_chunks} rows); "
-                                "failed")
+                                f"and chunk ids {ids[:8]} (of {self.num_chunks} rows); failed")
             self._finished.append(JobResult(job_id=job.job_id, success=False))
             return keys, None, None
-        return keys, engine_keys(keys), rows
+        return keys, engine_keys(keys), np.array(ids, dtype=np.int64)
 
     def _start(self, job: _Job, ekeys, rows, pos) -> None:
         if pos is not None:
-            ekeys, rows = [ekeys[i] for i in pos.tolist()], rows[pos]
+            ekeys, rows = [ekeys[i] for i in pos.tolist()], gilkeep.take(rows, pos)
         job.pos = pos
         try:
             job.op = (self.engine.prefetch(ekeys, rows, policy="best_effort") if job.load
@@ -213,7 +210,7 @@ class HiCacheMPTier(SecondaryTierManager):
         if job.op.done:  # every page settled at once (dropped, busy rings)
             self._settle(job)
             return
-        self._busy[rows] = True
+        gilkeep.set_at(self._busy, rows, True)
         self._jobs[job.job_id] = job
 
     def get_finished_jobs(self):
@@ -224,7 +221,7 @@ class HiCacheMPTier(SecondaryTierManager):
             return out
         for job_id in [j for j, job in self._jobs.items() if job.op.done]:
             job = self._jobs.pop(job_id)
-            self._busy[job.op.host_pages] = False
+            gilkeep.set_at(self._busy, job.op.host_pages, False)
             out.append(self._result(job))
         return out
 
@@ -237,23 +234,26 @@ class HiCacheMPTier(SecondaryTierManager):
 
     def _result(self, job: _Job) -> JobResult:
         n = len(job.keys)
-        ok = np.zeros(n, dtype=bool) if job.done_ok is None else job.done_ok.copy()
+        ok = gilkeep.zeros(n, bool) if job.done_ok is None else gilkeep.copy(job.done_ok)
         op, seconds, moved = job.op, None, 0
         if op is not None:
-            landed = op.page_status == st.OK
-            ok[slice(None) if job.pos is None else job.pos] = landed
-            moved = int(landed.sum())
+            landed = _equal(op.page_status, st.OK)
+            if job.pos is None:
+                gilkeep.put_bytes(ok, landed)
+            else:
+                gilkeep.set_at(ok, job.pos, landed)
+            moved = gilkeep.count(landed)
             seconds = (op.done_ns - op.submit_ns) / 1e9 if op.done_ns else None
         nbytes = moved * self.row_bytes or None
-        if ok.all():
+        if gilkeep.all_(ok):
             if not job.load and self.events is not None and job.keys:
                 self.events.append(OffloadingEvent(keys=job.keys, medium=self.medium,
                                                    removed=False, locality=self.locality))
             return JobResult(job_id=job.job_id, success=True, transfer_time=seconds,
                              transfer_bytes=nbytes)
         good = None
-        if job.load and ok.any():  # vLLM keeps the rows that landed
-            good = tuple(job.keys[i] for i in np.flatnonzero(ok).tolist())
+        if job.load and gilkeep.any_(ok):  # vLLM keeps the rows that landed
+            good = tuple(job.keys[i] for i in _where(ok, True).tolist())
         return JobResult(job_id=job.job_id, success=False, successful_keys=good,
                          transfer_time=seconds, transfer_bytes=nbytes)
 
@@ -289,6 +289,29 @@ class HiCacheMPTier(SecondaryTierManager):
         if cause not in self._warned:
             self._warned.add(cause)
             log.warning(msg + " (later ones with this cause are not logged)")
+
+
+# Mask steps on the scheduler's thread keep the GIL (shm.gilkeep: numpy's loops over
+# more than 500 elements let it go): in chunks of gilkeep.CHUNK.
+def _either(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    out = gilkeep.zeros(len(a), bool)
+    for i in range(0, len(a), gilkeep.CHUNK):
+        np.logical_or(a[i:i + gilkeep.CHUNK], b[i:i + gilkeep.CHUNK], out=out[i:i + gilkeep.CHUNK])
+    return out
+
+
+def _equal(a: np.ndarray, value) -> np.ndarray:
+    out = gilkeep.zeros(len(a), bool)
+    for i in range(0, len(a), gilkeep.CHUNK):
+        np.equal(a[i:i + gilkeep.CHUNK], value, out=out[i:i + gilkeep.CHUNK])
+    return out
+
+
+def _where(mask: np.ndarray, value: bool) -> np.ndarray:
+    """Positions where `mask` is `value`, as int64."""
+    parts = [np.flatnonzero(mask[i:i + gilkeep.CHUNK] == value) + i
+             for i in range(0, len(mask), gilkeep.CHUNK)]
+    return gilkeep.concat(parts, np.int64)
 
 
 def namespace(offloading_spec) -> dict:

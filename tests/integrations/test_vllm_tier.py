@@ -249,3 +249,48 @@ def test_two_vllm_instances_share_one_store(store):
         assert finish(tb, [1])[1].success
         assert np.array_equal(vb[10:16], data)
         del va, vb
+
+
+def test_scheduler_calls_keep_the_gil(store):
+    """Under a busy scheduler every GIL release costs vLLM's scheduler thread up to
+    a switch interval: submitting, polling and 2,000 lookups must not let it go.
+    Jobs of 125 rows (one request's chunks each; the engine's bulk drain of a
+    single op of thousands of pages is the engine's own test)."""
+    from giltrace import released_in
+    n, per = 2000, 125
+    with tiering([ours(store)], row_bytes=4096, rows=2 * n) as (_, manager):
+        tier = manager.secondary_tiers[0]
+        view = rows_of(tier)
+        keys = [key(i) for i in range(n)]
+        data = fill(view, range(n), seed=7)
+
+        def submit(load: bool):
+            for j in range(0, n, per):
+                rows = range(j + (n if load else 0), j + per + (n if load else 0))
+                (tier.submit_load if load else tier.submit_store)(
+                    job(j // per, keys[j:j + per], rows, load=load))
+        ids = list(range(n // per))
+        _, found = released_in(submit, False)
+        assert not found, f"submit_store let the GIL go: {found}"
+        time.sleep(0.5)
+        # The engine's drain is tests/test_gil_hold.py's to check: drained first,
+        # what is measured is what the tier adds (results for 16 finished jobs).
+        tier.engine.poll()
+        got, found = released_in(tier.get_finished_jobs)
+        assert not found, f"get_finished_jobs let the GIL go: {found}"
+        results = {r.job_id: r for r in got}
+        results.update(finish(tier, set(ids) - set(results)))
+        assert all(results[i].success for i in ids)
+        _, found = released_in(lambda: [tier.lookup(k, ReqContext(req_id="g")) for k in keys])
+        assert not found, f"lookup() of {n} keys let the GIL go: {found}"
+        _, found = released_in(submit, True)
+        assert not found, f"submit_load let the GIL go: {found}"
+        assert all(r.success for r in finish(tier, ids).values())
+        assert np.array_equal(view[n:], data)
+        unknown = [key(10 ** 6 + i) for i in range(n)]
+        for k in unknown:
+            tier.lookup(k, ReqContext(req_id="g"))
+        _, found = released_in(tier.on_schedule_end, STEP)   # one batch of probes
+        assert not found, f"on_schedule_end (probes for {n} keys) let the GIL go: {found}"
+        assert resolve(tier, unknown[:50]) == [MISS] * 50
+        del view

@@ -15,30 +15,13 @@ import uuid
 import numpy as np
 
 from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload_key
-from vllm.v1.kv_offload.config import OffloadingCacheConfig, OffloadingConfig, \
-    OffloadingGroupConfig, OffloadingModelConfig, OffloadingParallelConfig
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from bench_vllm_tier import offloading_config  # noqa: F401  (one builder for bench and tests)
+
 OURS = {"type": "HiCacheMPTier", "module_path": "hicache_mp.integrations.vllm"}
 STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
-
-
-def offloading_config(engine_id: str, row_bytes: int, rows: int, tiers: list,
-                      model: str = "test/model", **extra) -> OffloadingConfig:
-    """A real OffloadingConfig for a one-worker engine whose CPU tier holds
-    `rows` chunks of `row_bytes` (a multiple of the page size)."""
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer.0",),
-                                      group_id=0),),
-        worker_kv_bytes_per_block=row_bytes, enable_kv_cache_events=False,
-        extra_config={"cpu_bytes_to_use": row_bytes * rows, "secondary_tiers": tiers, **extra},
-        engine_id=engine_id, model=OffloadingModelConfig(name=model, dtype="bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-            is_parallelism_agnostic=False))
 
 
 def region_path(engine_id: str) -> str:
