@@ -256,7 +256,9 @@ def move(tier, rig, args, keys, src, dst, busy: bool, load: bool, first_id: int)
     return out
 
 
-def tier_row(rig, args, kind, label, store, *, threads, direct, busy, run_id, rate0):
+def tier_row(rig, args, kind, label, store, *, threads, direct, busy, run_id, baseline_s):
+    """One tier at one setting: store, then load, then the bytes checked;
+    `baseline_s` of loop with no I/O are measured just before the load (busy)."""
     from vllm.v1.kv_offload.base import make_offload_key
     n = args.rows
     src, dst = list(range(n)), list(range(n, 2 * n))
@@ -273,9 +275,12 @@ def tier_row(rig, args, kind, label, store, *, threads, direct, busy, run_id, ra
             row["threads"] = tier.engine.worker_count()
         row["store"] = move(tier, rig, args, keys, src, dst, busy, False, 1)
         rig.view[n:2 * n] = 0
+        if busy:  # the loop's rate with no I/O, just before: the machine's load drifts
+            row["loop_rate_no_io"] = baseline_rate(baseline_s)
         row["load"] = move(tier, rig, args, keys, src, dst, busy, True, 1 << 20)
-        if busy and rate0:
-            row["loop_ratio"] = row["load"]["loop_iters"] / row["load"]["seconds"] / rate0
+        if busy:
+            row["loop_ratio"] = row["load"]["loop_iters"] / row["load"]["seconds"] / \
+                row["loop_rate_no_io"]
     finally:
         tier.drain_jobs()
         tier.shutdown()
@@ -376,7 +381,8 @@ def main(argv=None) -> int:
     rig = Rig(args.row_bytes, 2 * args.rows)
     rig.view[:args.rows] = np.random.default_rng(0).integers(
         0, 256, (args.rows, args.row_bytes), dtype=np.uint8)
-    rate0 = baseline_rate() if "busy" in args.modes else 0.0
+    rate0 = baseline_rate(1.0) if "busy" in args.modes else 0.0
+    baseline_s = 0.2 if args.quick else 0.5
     plan = [("hicache_mp", "hicache_mp", None, [args.workers])]
     if helper:
         plan.append(("fs", f"fs C({helper.split(':')[0]})", True, args.fs_threads))
@@ -393,7 +399,7 @@ def main(argv=None) -> int:
                         rows.append(tier_row(rig, args, kind, label,
                                              os.path.join(root, f"run{run}"), threads=threads,
                                              direct=io == "cold", busy=mode == "busy",
-                                             run_id=run, rate0=rate0))
+                                             run_id=run, baseline_s=baseline_s))
                         print(json.dumps(rows[-1]), flush=True)
         for mode in args.modes.split(","):
             for kind, label, c_on, counts in plan:

@@ -294,3 +294,27 @@ def test_scheduler_calls_keep_the_gil(store):
         assert not found, f"on_schedule_end (probes for {n} keys) let the GIL go: {found}"
         assert resolve(tier, unknown[:50]) == [MISS] * 50
         del view
+
+
+def test_bench_smoke(tmp_path):
+    """scripts/bench_vllm_tier.py --quick: every row verified, ratios from the same run."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    proc = subprocess.run([sys.executable, "scripts/bench_vllm_tier.py", "--quick", "--io",
+                           "warm", "--store", str(tmp_path / "stores"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    tiers = {(r["tier"], r["mode"]) for r in res["rows"]}
+    assert {("hicache_mp", "idle"), ("hicache_mp", "busy"), ("fs Python", "busy")} <= tiers
+    for r in res["rows"]:
+        assert "error" not in r, r
+        assert r["load"]["wrong_bytes"] == 0
+        assert r["load"]["bytes_verified"] == 16 * (64 << 10), r
+    assert any(k.startswith("load busy warm: hicache_mp / best fs Python") for k in res["ratios"])
+    assert all(look["hits"] == look["keys"] == 200 for look in res["lookups"])
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("vllm_offload_bench-")]
