@@ -1,0 +1,98 @@
+"""Draining: the workers' completion rings and the evict ring into the engine's books.
+
+Owns popping each ring, telling probe answers (to discovery and the index)
+from page completions, numbering completions in the engine-wide landed order,
+and choosing, per op of a drain, the bulk path (EngineCore._apply_many) or
+page by page (EngineCore._apply). Must not decide what a completion means
+for an op or a slot: `_apply` / `_apply_many` do; nor look at processes
+(hicache_mp.supervisor).
+
+Runs inside poll() on the scheduler's thread: a poll that finds nothing costs
+a load per ring, and every array step goes through shm.gilkeep (decision 74:
+no numpy reduction, sort or unique here, each of which may let the GIL go).
+"""
+import time
+
+import numpy as np
+
+from shm import gilkeep
+from workers import status as st
+from workers.records import KIND_PROBE
+
+
+class Draining:
+    """Drains for `core`, the EngineCore whose ops, index, discovery and
+    counters the completions go to."""
+
+    def __init__(self, core):
+        self.core = core
+
+    def rings(self, pool, evictor, batch_min: int) -> int:
+        """Every worker's completion ring with something in it, then the evict
+        ring (those pages are gone: the index forgets them); completions
+        applied. `batch_min`: hicache_mp.engine.BATCH_APPLY_MIN."""
+        n = 0
+        for handle in pool.workers:
+            # Most polls find nothing: keep them to a load each.
+            if not handle.rings_closed and handle.completion.pending():
+                n += self.ring(handle.completion, batch_min)
+        if evictor is not None and evictor.ring.pending():
+            discard = self.core._index.digests.discard
+            for digest in evictor.pop()["digest"]:
+                discard(digest.tobytes())
+        return n
+
+    def ring(self, ring, batch_min: int) -> int:
+        """One completion ring, whole; the page completions applied."""
+        core = self.core
+        recs = ring.pop()
+        n = len(recs)
+        if not n:
+            return 0
+        probes = recs["kind"] == KIND_PROBE
+        if gilkeep.any_(probes):
+            hits = core._discovery.answered(recs["digest"][probes].tobytes(),
+                                            (recs["status"][probes] == st.OK).tolist())
+            add = core._index.add
+            for digest in hits:
+                add(digest)
+            recs = recs[~probes]
+            n = len(recs)
+            if not n:
+                return 0
+        now = time.perf_counter_ns()
+        # One worker's completions in the order it did them: that order is the
+        # engine-wide landed order (Op.landed_seq), also across ops.
+        seq0 = core._seq
+        core._seq += n
+        core._worker_pages += n  # what a wake-up target counts (hicache_mp.waiters, note 1)
+        op_ids = recs["op_id"]
+        if n < batch_min:
+            groups = [(None, None)]
+        elif gilkeep.all_(op_ids == op_ids[0]):
+            groups = [(op_ids[0], None)]
+        else:
+            # dict, not np.unique: a sort lets the GIL go (shm.gilkeep)
+            groups = [(i, np.flatnonzero(op_ids == i)) for i in dict.fromkeys(op_ids.tolist())]
+        for op_id, at in groups:
+            part = recs if at is None else recs[at]
+            if op_id is None or len(part) < batch_min:
+                seqs = range(seq0, seq0 + n) if at is None else (seq0 + at).tolist()
+                self._each(part, seqs, now)
+                continue
+            op = core._ops.get(int(op_id))
+            if op is not None:
+                seqs = gilkeep.iota(n, seq0) if at is None else seq0 + at
+                core._apply_many(op, part["page_pos"], part["status"], part["io_ns"],
+                                 part["flags"], seqs, now)
+        return n
+
+    def _each(self, recs, seqs, now: int) -> None:
+        core = self.core
+        ops = core._ops
+        for op_id, pos, code, io_ns, err, seq in zip(
+                recs["op_id"].tolist(), recs["page_pos"].tolist(), recs["status"].tolist(),
+                recs["io_ns"].tolist(), recs["flags"].tolist(), seqs):
+            op = ops.get(op_id)
+            if op is not None:
+                core._apply(op, pos, code, io_ns, err, now, seq)

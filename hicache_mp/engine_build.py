@@ -1,0 +1,215 @@
+"""Building an `mp` engine's resources: segments, host pool, evictor, worker pool.
+
+Owns what PrefetchEngine's constructor makes before it takes any work: the
+decision on direct I/O, this engine's share of the node's cores, the room
+check for everything it will put in /dev/shm, the host pool (its own, a
+caller's descriptor, or a caller's parts), the control block, the completion
+semaphore, the evictor (with storage limits), the typed `WorkerSpec` and the
+`WorkerPool`; and releasing all of it (`release`). Returns them as one
+`Resources` bundle. Must not take work, read rings or know about ops: it
+builds and tears down, nothing in between.
+
+Every segment and semaphore is named ``hicache_mp.<pid>.<random>.*`` (the
+owner tag) and allocated in full at creation (shm.segment), so what fits now
+can never be taken away by another process filling /dev/shm later. What was
+made before a failure is released before the error goes on.
+"""
+import logging
+import os
+from dataclasses import dataclass, field
+
+from shm import PageGeometry, WakeSemaphore, clean_stale, new_owner_tag
+from shm.hostpool import HostPool
+from shm.partpool import Part, PartPool
+from shm.ring import ring_bytes
+from shm.segment import check_room
+from workers import directio, pagefile
+from workers.control import CONTROL_BYTES, MAX_BYTES, MIN_FREE, Control
+from workers.evictor import EVICT_RING_CAPACITY, EvictorProcess, headroom_bytes
+from workers.pool import WorkerPool, worker_cpus
+from workers.spec import WorkerSpec
+
+from .closing import EngineClosed
+from .config import EngineConfig
+from .nodeshare import NodeShare
+
+log = logging.getLogger("hicache_mp")
+
+
+@dataclass(eq=False)
+class Resources:
+    """What one engine owns outside its own memory. `segments` close in
+    reverse order (`release`): a mapping before the descriptor it maps."""
+    tag: str
+    stale_removed: list
+    shared_pool: bool
+    direct_io: bool
+    direct_io_reason: str
+    host_pool: object = None
+    control: Control = None
+    done_sem: WakeSemaphore = None
+    evictor: EvictorProcess = None
+    pool: WorkerPool = None
+    segments: list = field(default_factory=list)
+
+
+def shm_bytes(pool_bytes: int, workers: int, ring_capacity: int, evictor: bool) -> int:
+    """/dev/shm bytes an engine allocates: pool, control block, every worker's two
+    submit rings and completion ring (twice as long), the evict ring, and a
+    page per semaphore (tmpfs rounds each file up to one)."""
+    per_worker = 2 * ring_bytes(ring_capacity) + ring_bytes(2 * ring_capacity) + 4096
+    extra = ring_bytes(EVICT_RING_CAPACITY) + 4096 if evictor else 0
+    return pool_bytes + CONTROL_BYTES + workers * per_worker + extra + 4096
+
+
+def build(config: EngineConfig, geometry: PageGeometry, roots, *, pool_fd: int | None,
+          pool_parts, aux_workers: int | None) -> Resources:
+    """Everything PrefetchEngine's constructor documents, made in order; on any
+    error what was made is released and the error goes on. `roots`: the
+    store's directories (direct I/O is decided on their filesystem)."""
+    if pool_fd is not None and pool_parts is not None:
+        raise ValueError("give pool_fd or pool_parts, not both")
+    parts = None
+    if pool_parts is not None:
+        parts = [Part(*(int(x) for x in p)) for p in pool_parts]
+        if sum(p.stride for p in parts) != geometry.page_bytes:
+            raise ValueError(f"pool_parts: strides add up to {sum(p.stride for p in parts)} "
+                             f"bytes, the geometry's page is {geometry.page_bytes}")
+    stale_removed = clean_stale()
+    shared_pool = pool_fd is not None or parts is not None
+    direct_io, reason = directio.resolve(
+        config.direct_io, roots, geometry, config.host_pool_pages, config.storage_max_bytes,
+        page_runs=None if parts is None else (lambda page: [p.run(page) for p in parts]))
+    if config.direct_io != "off":
+        # One line per engine: a filesystem that refuses is worth a warning; an
+        # unaligned geometry (small test pages) is expected, so only info.
+        fs_refused = reason.startswith("buffered I/O: O_DIRECT on")
+        (log.warning if fs_refused else log.info)("hicache_mp: %s", reason)
+    res = Resources(tag=new_owner_tag(), stale_removed=stale_removed, shared_pool=shared_pool,
+                    direct_io=direct_io, direct_io_reason=reason)
+    share = None
+    if config.num_workers:
+        workers = config.num_workers
+    else:  # auto: this engine's share of the node's cores (decision 42)
+        share = NodeShare(config.node_engines, aux_cap=aux_workers)
+        workers = share.workers
+    ring_capacity = config.resolved_ring_capacity(workers)
+    # Everything this engine puts in /dev/shm, counted before any of it is made.
+    try:
+        check_room(shm_bytes(0 if shared_pool else geometry.pool_bytes(config.host_pool_pages),
+                             workers, ring_capacity, config.capacity_limited),
+                   f"this engine's shared memory (host pool, control block, rings of "
+                   f"{workers} workers)")
+    except BaseException:
+        if share is not None:
+            share.close()
+        raise
+    if share is not None:  # released last, with the segments
+        res.segments.append(share)
+    try:
+        _build(res, config, geometry, pool_fd, parts, workers, ring_capacity)
+    except BaseException:
+        release(os.getpid(), res.pool, res.segments)
+        res.segments = []
+        raise
+    return res
+
+
+def _build(res: Resources, config: EngineConfig, geometry: PageGeometry, pool_fd, parts,
+           workers: int, ring_capacity: int) -> None:
+    segments = res.segments
+    own_fd = None
+    if pool_fd is not None:
+        own_fd = _OwnedFd(os.dup(pool_fd))
+        segments.append(own_fd)  # closed after what maps it: segments close in reverse
+        need = geometry.pool_bytes(config.host_pool_pages)
+        have = os.fstat(own_fd.fd).st_size
+        if have < need:
+            raise ValueError(f"pool_fd holds {have} bytes; the geometry needs {need} "
+                             f"for {config.host_pool_pages} pages")
+    own_parts = None
+    if parts is not None:
+        dups = {}
+        for fd in sorted({p.fd for p in parts}):
+            dups[fd] = _OwnedFd(os.dup(fd))
+            segments.append(dups[fd])
+        own_parts = [Part(dups[p.fd].fd, p.offset, p.stride) for p in parts]
+        res.host_pool = PartPool(own_parts, config.host_pool_pages, name=res.tag + ".pool",
+                                 populate=config.populate, closed_error=EngineClosed)
+    else:
+        res.host_pool = HostPool(geometry, config.host_pool_pages, name=res.tag + ".pool",
+                                 create=own_fd is None, populate=config.populate,
+                                 fd=None if own_fd is None else own_fd.fd,
+                                 closed_error=EngineClosed)
+    segments.append(res.host_pool)
+    control = res.control = Control(res.tag + ".ctl", create=True)
+    segments.append(control)
+    res.done_sem = WakeSemaphore(res.tag + ".done", create=True)
+    segments.append(res.done_sem)
+    headroom = 0
+    orphan_shm = [res.host_pool.name, control.name]
+    orphan_sem = [res.done_sem.name]
+    if config.capacity_limited:
+        file_bytes = pagefile.HEADER_SIZE + geometry.page_bytes
+        headroom = headroom_bytes(config.storage_max_bytes, config.storage_min_free_bytes,
+                                  file_bytes)
+        if config.storage_max_bytes and config.storage_max_bytes < 2 * headroom + file_bytes:
+            raise ValueError(f"storage_max_bytes={config.storage_max_bytes} holds too few "
+                             f"pages of {file_bytes} bytes; give it at least "
+                             f"{2 * headroom + file_bytes}")
+        control.words[MAX_BYTES] = config.storage_max_bytes
+        control.words[MIN_FREE] = config.storage_min_free_bytes
+        res.evictor = EvictorProcess(tag=res.tag, control=control,
+                                     storage_dir=config.storage_dir,
+                                     interval_s=config.eviction_interval_s, headroom=headroom)
+        segments.append(res.evictor)
+        res.evictor.start(config.worker_start_timeout_s)
+        orphan_shm.append(res.evictor.ring.name)
+        orphan_sem.append(res.evictor.wake.name)
+    spec = WorkerSpec(
+        storage_dir=config.storage_dir, geometry=geometry.to_dict(),
+        pool_name=res.host_pool.name, pool_pages=config.host_pool_pages,
+        pool_fd=None if own_fd is None else own_fd.fd,
+        pool_parts=None if own_parts is None else
+        tuple((p.fd, p.offset, p.stride) for p in own_parts),
+        populate=config.populate,
+        verify_checksum=config.verify_checksum, write_checksum=config.write_checksum,
+        fsync=config.fsync, require_checksum=config.require_checksum,
+        quarantine_bad_files=config.quarantine_bad_files,
+        worker_batch=config.worker_batch, write_share=config.write_share,
+        direct_io=res.direct_io, io_depth=config.resolved_io_depth(res.direct_io),
+        num_workers=workers, capacity=config.capacity_limited,
+        evict_sem=res.evictor.wake.name if res.evictor else None,
+        evict_headroom=headroom, control=control.name, done_sem=res.done_sem.name,
+        ring_capacity=ring_capacity, orphan_shm=tuple(orphan_shm),
+        orphan_sem=tuple(orphan_sem))
+    pin = worker_cpus() if config.pin_workers else None
+    res.pool = WorkerPool(num_workers=workers, tag=res.tag, control=control, spec=spec,
+                          ring_capacity=ring_capacity, pin_cpus=pin,
+                          start_timeout_s=config.worker_start_timeout_s)
+
+
+class _OwnedFd:
+    """The engine's dup of a caller's pool descriptor; closing it is all it does."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+def release(owner_pid: int, pool, segments) -> None:
+    """Stop the pool and close every segment, last made first. Also the
+    engine's finaliser (garbage collection, interpreter exit)."""
+    if os.getpid() != owner_pid:  # a forked child's exit: the parent's, never ours to release
+        return
+    if pool is not None:
+        pool.close()
+    for seg in reversed(segments):
+        try:
+            seg.close()
+        except Exception:
+            pass

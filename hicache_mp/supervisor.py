@@ -1,0 +1,197 @@
+"""Supervision: watching the engine's worker and evictor processes from poll().
+
+Owns the health check (every HEALTH_CHECK_S, from a drain, never blocking
+it), failing a lost worker's pages, the watchdog for stuck workers, the
+fences on a killed worker's host slots, replacements (through
+workers.pool.WorkerPool.respawn), killing what an abandoned op still holds,
+and the counters of all this. Must not start or reap processes itself (the
+pool does, one waitpid or load each) nor pop rings other than to take what a
+lost worker finished first (through the engine's drain).
+
+Failure states:
+  - a worker dies: its unfinished pages end WORKER_DIED (ops end partial or
+    failed); a replacement starts in the background and takes work once
+    ready, meanwhile new pages go to the other workers;
+  - a worker is stuck (one page I/O older than `stall_timeout_s`, from the
+    per-lane heartbeat in the control block, or records waiting that long in
+    its rings untaken): it is SIGKILLed, every page it still holds ends
+    WORKER_DIED at once (counted in `stalled_pages`), and it is replaced as
+    above. Its pages' host slots stay reserved (fenced) until the killed
+    process is reaped: a page reported failed is never written into its slot
+    later, whatever the kernel finishes meanwhile;
+  - a replacement cannot be started: the pool is broken (`BrokenPool`, one
+    terminal state in workers.pool), and every later prefetch or backup
+    says so; a healthy engine never does.
+"""
+import logging
+import os
+import signal
+import time
+
+import numpy as np
+
+from workers import status as st
+from workers.pool import BrokenPool
+from workers.timing import HEALTH_CHECK_S
+
+log = logging.getLogger("hicache_mp")
+
+
+class Supervisor:
+    """Watches `pool` and `evictor` for `core` (the EngineCore whose ops and
+    slot reservations a lost worker's pages are settled in); `drain_ring`
+    applies what a worker finished before it was lost."""
+
+    def __init__(self, core, pool, control, evictor, drain_ring):
+        self.core = core
+        self.pool = pool
+        self.control = control
+        self.evictor = evictor
+        self.drain_ring = drain_ring
+        self.fences: list = []  # (killed stuck worker, host slots held until it is reaped)
+        self.stuck_workers = 0
+        self.stalled_pages = 0
+        self._evictor_failed = None
+        self._last_health = time.monotonic()
+        self._watched_at, self._watch_from_ns = time.monotonic(), 0  # the watchdog's gap rule
+
+    def maybe_check(self) -> None:
+        """The health check, when HEALTH_CHECK_S has passed since the last."""
+        if time.monotonic() - self._last_health > HEALTH_CHECK_S:
+            self._last_health = time.monotonic()
+            self.health()
+
+    def health(self) -> None:
+        """Watch the children: none of this waits for a process."""
+        self._replace_dead()
+        ready, failed = self.pool.poll_starting()
+        for handle in ready:
+            log.info("hicache_mp-worker-%d (pid %d) is ready", handle.index, handle.pid)
+        for handle in failed:
+            n = len(self.fail_pages(handle.index))
+            log.warning("hicache_mp-worker-%d's replacement did not start (%s); %d page(s) "
+                        "failed; trying again", handle.index, handle.start_error, n)
+            self._respawn(handle)
+        # Fences lift before the watchdog looks: a worker killed in this pass is
+        # never reaped in it, so its slots stay fenced at least until the next.
+        for handle in self.pool.reaped():
+            for fenced, slots in self.fences:
+                if fenced is handle:
+                    self.core._reserved[slots] = False
+            self.fences = [f for f in self.fences if f[0] is not handle]
+            if handle.respawn_after_reap:
+                handle.respawn_after_reap = False
+                self._respawn(handle)
+        self._watchdog()
+
+    def fail_pages(self, index: int, fence: bool = False) -> np.ndarray:
+        """End every page still pending at worker `index` WORKER_DIED; their host
+        slots, which that worker may still write, when `fence`. Returns the slots."""
+        core = self.core
+        now = time.perf_counter_ns()
+        slots = []
+        for op in list(core._ops.values()):
+            lost = np.flatnonzero((op.worker_of == index) & (op.page_status == st.PENDING))
+            if not len(lost):
+                continue
+            slots.append(op.host_pages[lost])
+            for pos in lost.tolist():
+                core._apply(op, pos, st.WORKER_DIED, 0, 0, now)
+        slots = np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
+        if fence:
+            core._reserved[slots] = True
+        return slots
+
+    def _replace_dead(self) -> None:
+        ev = self.evictor
+        if ev is not None and not self.pool.closed:
+            if ev.child is not None and ev.child is not self._evictor_failed:
+                try:
+                    ev.check_start()
+                except RuntimeError as exc:
+                    log.error("hicache_mp-evictor: %s; storage limits are enforced by "
+                              "dropping writes only from now on", exc)
+                    self._evictor_failed = ev.child
+            if not ev.alive() and ev.child is not self._evictor_failed:
+                log.warning("hicache_mp-evictor died with exit code %s; starting a replacement",
+                            ev.proc.returncode if ev.proc else None)
+                ev.respawns += 1
+                ev.start(self.core.config.worker_start_timeout_s, wait=False)
+        for handle in self.pool.dead():
+            if not handle.rings_closed:
+                self.drain_ring(handle.completion)  # what it finished before dying still counts
+            failed = len(self.fail_pages(handle.index))
+            log.warning("hicache_mp-worker-%d (pid %d) died with exit code %s; %d in-flight "
+                        "page(s) failed; starting a replacement", handle.index, handle.pid,
+                        handle.proc.returncode, failed)
+            # A worker killed mid-write leaves its temp file behind (never a page: it
+            # does not end in .page). A rescan, off this thread, reaps temp files of
+            # dead writers now rather than at the next start, and indexes pages it
+            # renamed into place just before dying.
+            self.core._start_rescan()
+            self._respawn(handle)
+
+    def _watchdog(self) -> None:
+        """A worker is stuck (module docstring) when one page I/O has run longer
+        than stall_timeout_s, or when records have waited in its rings that long
+        without it taking one (stuck outside a page I/O: stopped, or wedged)."""
+        limit = self.core.config.stall_timeout_s
+        now = time.monotonic()
+        # After a gap in the looks (this process paused with its workers, or not
+        # polled) an I/O's age counts from now, as the rings' count restarts: a
+        # worker stopped with it is no more stuck than the engine was.
+        if now - self._watched_at > limit / 4:
+            self._watch_from_ns = time.monotonic_ns()
+        self._watched_at = now
+        stalled = self.control.stalled(len(self.pool.workers), limit,
+                                       since_ns=self._watch_from_ns)
+        for handle in self.pool.usable():
+            idle = handle.idle_with_work_s(now, limit / 4)
+            if idle > limit:
+                stalled[handle.index] = max(stalled[handle.index], idle)
+        if not stalled.any():
+            return
+        for index in np.flatnonzero(stalled).tolist():
+            handle = self.pool.workers[index]
+            if handle.stuck or handle in self.pool.starting or not handle.alive():
+                continue
+            age_s = float(stalled[index])
+            handle.stuck = True
+            handle.child.kill()
+            self.drain_ring(handle.completion)  # pages it did finish are good
+            slots = self.fail_pages(index, fence=True)
+            self.fences.append((handle, slots))
+            self.stuck_workers += 1
+            self.stalled_pages += len(slots)
+            log.error("hicache_mp-worker-%d (pid %d) is stuck: no progress for %.1fs, over "
+                      "stall_timeout_s=%ss; killed, %d page(s) failed (their host slots stay "
+                      "reserved until it is gone); starting a replacement", index, handle.pid,
+                      age_s, self.core.config.stall_timeout_s, len(slots))
+            self._respawn(handle)
+
+    def _respawn(self, handle) -> None:
+        try:
+            self.pool.respawn(handle)
+        except BrokenPool as exc:
+            log.error("hicache_mp: %s; the engine takes no more work", exc)
+
+    def kill_holders(self, op, grace_s: float) -> None:
+        """SIGKILL every worker still holding a page of `op` (abandoned, and
+        not done within `grace_s`): the health check fails its pages and
+        replaces it."""
+        core = self.core
+        with core._lock:
+            holders = sorted({int(w) for w in op.worker_of[op.page_status == st.PENDING]})
+            pids = [self.pool.workers[i].pid for i in holders if i < len(self.pool.workers)]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        log.error("hicache_mp: op %d still had pages at worker(s) %s %.1f s after it was "
+                  "abandoned; killed them so that no late I/O writes its host slots (they are "
+                  "replaced)", op.id, holders, grace_s)
+
+    def metrics(self) -> dict:
+        return {"stuck_workers": self.stuck_workers, "stalled_pages": self.stalled_pages,
+                "fenced_pages": sum(len(s) for _, s in self.fences)}

@@ -1,0 +1,187 @@
+"""Waiters: how threads blocked in the engine sleep, and how workers wake them.
+
+Owns the engine's side of the wake-up protocol below: each waiter's target,
+the leader that sleeps on the completion semaphore for all, the followers'
+condition, taking a leftover post, the caps on a sleep, waking everyone for
+close(), and the wake-up counters. Must not apply completions itself (it
+calls the engine's drain) nor count sleepers for close() (hicache_mp.closing
+does, around each sleep).
+
+The wake-up protocol. Every participant's comments cite these notes by
+number ("waiters note 4"): this module (the engine's waiters),
+hicache_mp.draining (the engine's count), workers/worker.py (the post side)
+and workers/control.py (the words WAKE_AT, WAKE_SEQ, WAITERS, POSTED_SEQ,
+POSTED_NS).
+
+  1. The count. The engine counts the worker completions it has drained
+     (`_worker_pages`; probes aside); a worker adds each page to its PAGES
+     word before it pushes that page's completion. So the sum of every
+     worker's PAGES is never below the engine's count, and reaches
+     "count + an op's pages outstanding" no later than that op's last push.
+     Pages the engine settles itself (cancelled, dropped, failed with a dead
+     worker) are in neither, so a target is never built on them (decision 61).
+  2. Targets. A thread waiting on an op sets the point at which its pages are
+     surely done (note 1); WAKE_AT is the lowest target of all waiters, 0 if
+     any waits on no op (post after every completion). A new target is
+     numbered first (WAKE_SEQ += 1, then WAKE_AT), so a post made for an old
+     one is never taken for it.
+  3. Announcement. A waiter sets its target, then adds itself to WAITERS,
+     then drains once more: a completion pushed before the announcement
+     posted nothing (the worker saw no waiter), and this drain finds it. A
+     worker reads WAITERS only after its push. The cap (note 7) covers what
+     is left of that race.
+  4. Posting (workers/worker.py). With WAITERS set, a worker posts the
+     completion semaphore after a completion when WAKE_AT is 0, or once the
+     sum of PAGES reaches WAKE_AT, and then only if that target's number is
+     not marked posted (POSTED_SEQ) and no post is pending: workers finishing
+     a batch's last pages together each see the target reached, and a second
+     post would end the waiter's next sleep at once for nothing. It marks
+     POSTED_SEQ, stores the clock in POSTED_NS (the `wait_gil_delay_ms`
+     metric), and posts. A skipped post is safe: the pending or sent one is
+     consumed after this completion was pushed, and the waiter drains after
+     waking. So a batch wakes its waiter about once, not once per page
+     (decisions 51, 67).
+  5. Leader and followers. One waiting thread, the leader, sleeps on the
+     semaphore with the engine's lock and the GIL released; the others wait
+     on a condition that the leader notifies once it woke and drained. A post
+     wakes whichever thread sleeps on a semaphore, so two threads on it woke
+     each other's pages (decision 68). The leader is a thread, not a flag: a
+     call nested on the leader's own thread (a signal handler that
+     interrupted its sleep) leads in its turn, since that sleep is not asleep
+     while the handler runs.
+  6. Leftover posts. When no thread sleeps on the semaphore, a post still
+     pending is left over from a wait that ended without sleeping (its last
+     page drained just before the worker posted). A leader with a target
+     takes it first, with the GIL held (libc's sem_trywait), so it cannot end
+     this sleep at once for a GIL hand-back.
+  7. Caps. A sleep with a target lasts until its batch is done or
+     TARGET_CAP_S: each early expiry takes the GIL back once, which under a
+     busy scheduler costs up to a switch interval, so a long batch must not
+     be cut into short naps; the cap is for a worker that dies mid-batch.
+     With no target, NO_TARGET_CAP_S.
+  8. Close. close() posts the semaphore for a leader on another thread and
+     notifies the followers (`wake_all`), then waits for them to leave
+     (hicache_mp.closing). Once the control block and semaphore are released
+     (`_released`), nothing here touches them, and a sleep on the closed
+     semaphore ends at once (shm.wake).
+
+Runs on the scheduler's threads: all of it under the engine's lock, and the
+leader's one sleep is the only place the GIL is given up (decision 74).
+"""
+import threading
+import time
+
+from shm import gilkeep
+from workers.control import PAGES, POSTED_NS, WAITERS, WAKE_AT, WAKE_SEQ
+from workers.timing import NO_TARGET_CAP_S, TARGET_CAP_S
+
+
+class Waiters:
+    """The waiters of `engine` (its lock, flags, drain and count); `control`
+    and `done_sem` are its control block and completion semaphore."""
+
+    def __init__(self, engine, control, done_sem):
+        self.engine = engine
+        self.control = control
+        self.done_sem = done_sem
+        self.targets: list = []  # wake-up target of each thread in wait(); 0: none (note 2)
+        self.leader = None       # the thread that sleeps on done_sem for all (note 5)
+        self.woken = threading.Condition(engine._lock)
+        # Sleeps ended by a worker's post, by the cap; posted wakes that found
+        # their target not reached (a post left over from an earlier wait); and
+        # leftover posts taken before a sleep (never slept on, note 6).
+        self.posted = self.expired = self.stale = self.leftover = 0
+        self.gil_delay_s = 0.0   # EWMA: a worker's post -> the waiter runs again (note 4)
+
+    def sleep(self, timeout_s: float, op=None) -> None:
+        """Sleep until `op`'s batch is surely done (or, with no op, the next
+        completion), the cap, or `timeout_s`; drains before returning.
+        The lock makes the counter update atomic across waiting threads (SGLang
+        blocks in several: its backup thread in batch_set_v1 while its I/O
+        thread waits in batch_get_v1) and keeps the rings single-consumer."""
+        eng = self.engine
+        me = threading.get_ident()
+        with eng._lock:
+            if eng._released:  # note 8
+                return
+            target = op is not None and not op.done
+            at = eng._worker_pages + op._remaining if target else 0  # note 1
+            cap = min(timeout_s, TARGET_CAP_S if target else NO_TARGET_CAP_S)  # note 7
+            prev = self.leader
+            lead = prev is None or prev == me  # note 5
+            if lead and at:
+                self.leftover += self.done_sem.take_pending()  # note 6
+            self.targets.append(at)
+            self._set_wake_at()
+            self.control.words[WAITERS] += 1
+            drained = eng._drain()  # note 3
+            if drained or not lead:
+                try:
+                    if drained:
+                        self.woken.notify_all()  # those pages may end a follower's op
+                    elif not eng._closed:
+                        self._count(self.woken.wait(cap), at, follower=True)
+                finally:
+                    self._leave(at)
+                return
+            self.leader = me
+        posted = False
+        try:
+            # The one place the GIL is given up: counted (posted wake-ups and
+            # cap expiries) so the GIL cost of a batch can be measured
+            # (scripts/sglang_stack.py prints it).
+            posted = self.done_sem.wait(cap)
+        finally:
+            with eng._lock:
+                self.leader = prev
+                self._count(posted, at)
+                if not eng._closed:
+                    eng._drain()  # the followers' ops too, before they look
+                self.woken.notify_all()
+                self._leave(at)
+
+    def _set_wake_at(self) -> None:
+        """WAKE_AT for the waiters now: the lowest target, 0 if any has none,
+        each new target numbered first (note 2)."""
+        if self.engine._released:
+            return
+        words = self.control.words
+        targets = self.targets
+        at = 0 if not targets or 0 in targets else min(targets)
+        if at:
+            words[WAKE_SEQ] += 1
+        words[WAKE_AT] = at
+
+    def _leave(self, at: int) -> None:
+        self.targets.remove(at)
+        if self.engine._released:  # the control block is gone: nobody counts waiters now
+            return
+        self.control.words[WAITERS] -= 1
+        self._set_wake_at()
+
+    def _count(self, posted: bool, at: int, follower: bool = False) -> None:
+        if posted:
+            self.posted += 1
+        else:
+            self.expired += 1
+        if not posted or not at or follower or self.engine._released:
+            return
+        if gilkeep.total(self.control.workers[:, PAGES]) < at:
+            self.stale += 1
+        else:  # from the worker's post to running again: the GIL's price
+            delay = (time.monotonic_ns() - int(self.control.words[POSTED_NS])) / 1e9
+            self.gil_delay_s += 0.25 * (delay - self.gil_delay_s)
+
+    def wake_all(self) -> None:
+        """The leader (it alone sleeps on the semaphore) and its followers;
+        called by close() with the lock held. A leader on the caller's own
+        thread is interrupted, not asleep: it finds the engine closed (note 8)."""
+        me = threading.get_ident()
+        if self.leader is not None and self.leader != me:
+            self.done_sem.post()
+        self.woken.notify_all()
+
+    def metrics(self) -> dict:
+        return {"wait_wakeups_posted": self.posted, "wait_wakeups_timeout": self.expired,
+                "wait_wakeups_stale": self.stale, "wait_leftover_posts_taken": self.leftover,
+                "wait_gil_delay_ms": round(self.gil_delay_s * 1e3, 3)}
