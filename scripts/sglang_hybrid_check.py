@@ -1,57 +1,44 @@
-"""Hybrid-model prefetch through SGLang 0.5.23's real host pools: `mp` against `file`.
+"""Hybrid-model prefetch through SGLang 0.5.23's real host pools: `mp` against the
+no-bytes floor, idle and under a busy scheduler, with the GIL tracer.
 
-A Qwen3-Next-like stack by default: full-attention KV pages (MHATokenToKVPoolHost)
-plus one Mamba state per prefix (MambaPoolHost: fp32 temporal + bf16 conv
-state, each its own memfd), both SGLang's own classes on the "shm" allocator
-(scripts/sglang_real_hybrid.py). The backends are SGLang's `file`
-(HiCacheFile) and hicache_mp (`HiCacheMP`, built by SGLang's
-StorageBackendFactory from the dynamic config).
+Geometries (scripts/sglang_real_hybrid.py, SGLang's own host-pool classes on
+the "shm" allocator): `mamba` (Qwen3-Next: MHA KV + one Mamba state per
+prefix), `swa` (gpt-oss: MHA KV + a sliding-window pool of the last 2 pages)
+and `dsa` (DeepSeek-V3.2: MLA KV + the DSA indexer, read with every KV page).
+The backends are built by SGLang's StorageBackendFactory from the dynamic
+config: `mp` (hicache_mp's HiCacheMP) and `nobytes` (scripts/sglang_nobytes.py:
+every call answered at once, no bytes moved: SGLang's own side of a round).
 
-The calls are the ones SGLang's hybrid controller makes from its storage
-threads (hybrid_cache_controller.py / cache_controller.py, 0.5.23):
-backup = `batch_set_v2` for the Mamba state first, then the KV pages (mp:
-`batch_set_v1`; file: `batch_set` of `get_data_page`s, the controller's
-generic path for `file`); prefetch = per 128-page batch the KV pages (mp:
-`batch_get_v1`; file: `batch_get` into dummy pages + `set_from_flat_data_page`),
-then the trailing Mamba state with `batch_get_v2`, after a `batch_exists_v2`
-hit query with the TRAILING_PAGES placeholder key. The prefetch runs on a
-storage thread while the main thread is either idle (joins) or runs a
-pure-Python busy loop (a scheduler building batches, holding the GIL). Not
-SGLang's controller object itself: its hybrid variant needs a HostPoolGroup
-and a device-side model; the call sequence and the pools are SGLang's.
+The calls are the ones SGLang's HybridCacheController makes from its storage
+threads (hybrid_cache_controller.py / cache_controller.py, 0.5.23), made by
+this script on a storage thread of its own (the controller object itself
+needs a HostPoolGroup and a device-side model): backup = `batch_set_v2` of
+the sidecars, then `batch_set_v1` of the KV pages per 128-page batch;
+prefetch = `batch_exists_v2` over the prefix with its pool transfers, then
+per 128-page batch `batch_get_v1` of the KV pages (and, for KV-derived pools
+such as the DSA indexer, `batch_get_v2` of the same batch), then
+`batch_get_v2` of the trailing sidecar (Mamba, SWA).
 
-Prints per backend and mode the prefetch GB/s (median of --runs) and the busy
-ratio mp/file, and checks every page read byte for byte against the pages
-written (wrong_pages must be 0). --json writes everything.
-
-The GIL, two figures per prefetch round (their medians over --runs):
-- GIL gaps (busy mode; idle: None): the busy loop stamps the time after
-  every 256 iterations (~15 us of pure Python); a gap over 0.5 ms between
-  two stamps means another thread held the GIL that long: Python work (or a
-  C call that keeps the GIL) in the storage thread, such as a loop per page.
-  Printed with the gap time.
-- storage-thread blocks: the storage thread's voluntary context switches
-  (/proc/self/task/<tid>/status), i.e. every time it slept: a blocking call
-  (the wait for a batch), or, with a busy scheduler, taking the GIL back
-  after giving it up (each torch op, large numpy op or blocking call gives
-  it up; with the scheduler holding it, getting it back costs up to
-  sys.getswitchinterval(), 5 ms). Busy minus idle counts those hand-offs.
-  A hand-off is only seen from the side that waits, so the busy loop's gaps
-  cannot count it: the storage thread takes the GIL for a few microseconds
-  between two releases.
-- scheduler preemptions (busy mode): the busy thread's involuntary context
-  switches, the gaps that were the OS's and not the GIL's (a machine with
-  fewer free cores than workers + 2).
+A run is `--requests` prefetches of `--round-pages` KV pages each, on the
+storage thread, while the main thread (the scheduler, the thread the tracer
+skips) either waits (idle) or runs pure-Python bookkeeping (busy) that calls
+nothing that lets the GIL go. The no-bytes run of the same mode follows each
+mp run. Figures per geometry and round size (medians of --runs, with the
+per-run values): busy / idle GB/s, ms over idle per round, the backend's own
+cost of a busy scheduler per `batch_get_v2` call and per request
+((mp busy - mp idle) - (nobytes busy - nobytes idle)), the busy loop's rate
+mp / floor, and wrong pages (every KV and sidecar page read is compared with
+the page written). Then `--trace-runs` traced runs per mode (and one traced
+backup) give the tracer's per-call table. Owns no engine logic.
 
     PYTHONPATH=. python3 scripts/sglang_hybrid_check.py --json $OUT/hybrid.json
-    # small CPU smoke run:
-    PYTHONPATH=. python3 scripts/sglang_hybrid_check.py --rounds 2 --prefix-pages 8 \
-        --attn-layers 2 --mamba-layers 2 --kv-heads 2 --head-dim 64 --page-size 16 \
-        --temporal 4,16,16 --conv 64,3 --runs 1
+    # small CPU run:
+    PYTHONPATH=. python3 scripts/sglang_hybrid_check.py --tiny --round-pages 4 --runs 2
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -64,306 +51,296 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-import torch  # noqa: E402
+import sglang_hybrid_rank as HR  # noqa: E402
+from giltrace import GilTracer, table as trace_table  # noqa: E402
 
-import sglang_real_hybrid as RH  # noqa: E402
-
-BATCH = 128   # SGLang's STORAGE_BATCH_SIZE
-CHUNK = 256   # busy-loop iterations between two time stamps
-GAP_S = 0.5e-3
-# Every Rank's SGLang host pools live until the process ends. On CUDA they are
-# cudaHostRegister'ed (alloc_with_host_register) and nothing here unregisters
-# them: freeing one lets the next backend's pools be mapped at the same
-# address, and registering that range again fails with cudaError 712
-# (cudaErrorHostMemoryAlreadyRegistered).
-_KEEP_POOLS: list = []
+CHUNK = 256      # busy-loop iterations between two time stamps (~15 us of Python)
+GAP_S = 0.5e-3   # a longer gap between stamps: another thread held the GIL that long
 
 
 def log(msg: str) -> None:
     print(f"[sglang_hybrid_check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def ints(s: str) -> tuple:
-    return tuple(int(x) for x in s.split(",") if x)
+class _NoTrace:
+    armed = False
 
 
-class Rank:
-    """One rank's real host pools and one backend attached to them."""
+TRACE = _NoTrace()
+ROUNDS: dict = {}   # trace label -> runs traced under it
 
-    def __init__(self, S, hs, kind: str, store: str, args, seed: int):
-        from sglang.srt.mem_cache.hicache_storage import PoolName
-        self.kind, self.PoolName = kind, PoolName
-        tokens = args.rounds * args.prefix_pages * args.page_size
-        self.kv = RH.mha_pool(S, layout=args.kv_layout, layers=args.attn_layers,
-                              heads=args.kv_heads, head_dim=args.head_dim,
-                              page_size=args.page_size, tokens=tokens)
-        self.mamba = RH.mamba_pool(S, layers=args.mamba_layers, slots=args.rounds,
-                                   temporal=args.temporal, conv=(args.conv,))
-        _KEEP_POOLS.extend((self.kv, self.mamba))
-        g = torch.Generator().manual_seed(seed)
-        RH.fill_random(self.kv, g)
-        RH.fill_random(self.mamba, g)
-        cfg = hs.HiCacheStorageConfig(
-            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-            is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
-            model_name="hicache-mp/qwen3-next-like",
-            extra_config={"backend_name": "hicache_mp", "class_name": "HiCacheMP",
-                          "module_path": "hicache_mp.integrations.sglang", "interface_v1": 1,
-                          "allocator": "shm", "storage_dir": store, "file_storage_path": store,
-                          "num_workers": args.workers})
-        if kind == "file":
-            self.backend = hs.HiCacheFile(cfg)
-        else:
-            from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-            self.backend = StorageBackendFactory.create_backend("dynamic", cfg, self.kv)
-        self.backend.register_mem_pool_host(self.kv)
-        self.backend.register_mem_host_pool_v2(self.kv, PoolName.KV)
-        self.backend.register_mem_host_pool_v2(self.mamba, PoolName.MAMBA)
-        self.backend.on_host_pools_registered()
-        self.P = args.page_size
-        self.prefix_pages = args.prefix_pages
 
-    def keys(self, r: int) -> list[str]:
-        return [f"r{r}-p{i:05d}" for i in range(self.prefix_pages)]
+def traced(label: str):
+    if getattr(TRACE, "armed", False):
+        ROUNDS[label] = ROUNDS.get(label, 0) + 1
+        return TRACE.round(label)
+    return contextlib.nullcontext()
 
-    def pages(self, r: int) -> list[int]:
-        return list(range(r * self.prefix_pages, (r + 1) * self.prefix_pages))
 
-    def tokens(self, pages) -> torch.Tensor:
-        P = self.P
-        return (torch.tensor(pages, dtype=torch.int64)[:, None] * P
-                + torch.arange(P)).reshape(-1)
+class Busy:
+    """The scheduler's loop: pure Python (integer arithmetic, one attribute
+    read, perf_counter) until the storage thread says it is done. No lock,
+    queue, I/O, torch or numpy call: nothing here lets the GIL go, so every
+    hand-off is the other threads' doing."""
 
-    def mamba_t(self, key, slot, keys=None):
-        return self.hs_transfer(self.PoolName.MAMBA, keys if keys is not None else [key],
-                                torch.tensor([slot]) if slot is not None else None)
+    def __init__(self):
+        self.done = False
+        self.iters, self.gaps, self.gap_s, self.seconds = 0, 0, 0.0, 0.0
 
-    def hs_transfer(self, name, keys, idx, policy=None):
-        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransfer
-        return PoolTransfer(name=name, keys=keys, host_indices=idx,
-                            hit_policy=policy or PoolHitPolicy.TRAILING_PAGES)
-
-    # --- the controller's calls --------------------------------------------------
-    def backup(self, r: int) -> bool:
-        keys, pages = self.keys(r), self.pages(r)
-        side = self.backend.batch_set_v2([self.mamba_t(keys[-1], r)])
-        ok = all(all(v) for v in side.values())
-        for i in range(0, len(keys), BATCH):
-            k, p = keys[i:i + BATCH], pages[i:i + BATCH]
-            idx = self.tokens(p)
-            if self.kind == "file":
-                data = [self.kv.get_data_page(int(idx[j * self.P]), flat=True)
-                        for j in range(len(k))]
-                ok &= bool(self.backend.batch_set(k, data))
-            else:
-                ok &= all(self.backend.batch_set_v1(k, idx))
-        return ok
-
-    def prefetch(self, r: int) -> int:
-        keys, pages = self.keys(r), self.pages(r)
-        hit = self.backend.batch_exists_v2(keys, [self.mamba_t("x", None, keys=["x"])])
-        n = hit.kv_hit_pages
-        done = 0
-        for i in range(0, n, BATCH):
-            k, p = keys[i:min(i + BATCH, n)], pages[i:min(i + BATCH, n)]
-            idx = self.tokens(p)
-            if self.kind == "file":   # cache_controller._generic_page_get
-                dummy = [self.kv.get_dummy_flat_data_page() for _ in k]
-                got = self.backend.batch_get(k, dummy)
-                c = 0
-                for j, page in enumerate(got):
-                    if page is None:
-                        break
-                    self.kv.set_from_flat_data_page(int(idx[j * self.P]), page)
-                    c += 1
-            else:
-                res = self.backend.batch_get_v1(k, idx)
-                c = res.index(False) if False in res else len(res)
-            done += c
-            if c < len(k):
+    def run(self) -> None:
+        x, n, gaps, gap_s = 1, 0, 0, 0.0
+        clock = time.perf_counter
+        t0 = last = clock()
+        while True:   # one chunk at least: the storage thread may be done before this starts
+            for i in range(CHUNK):
+                x = (x * 1103515245 + i) & 0xFFFFFFFF
+            n += CHUNK
+            now = clock()
+            if now - last > GAP_S:
+                gaps += 1
+                gap_s += now - last
+            last = now
+            if self.done:
                 break
-        if done == n and n:
-            side = self.backend.batch_get_v2([self.mamba_t(keys[n - 1], r)])
-            if not all(all(v) for v in side.values()):
-                done = 0
-        return done
+        self.iters, self.gaps, self.gap_s, self.seconds = n, gaps, gap_s, clock() - t0
 
-    def page_bytes(self) -> int:
-        d = self.kv.get_dummy_flat_data_page()
-        m = self.mamba.get_dummy_flat_data_page()
-        return d.numel() * d.element_size(), m.numel() * m.element_size()
-
-    def close(self):
-        if hasattr(self.backend, "close"):
-            self.backend.close()
+    def rate(self) -> float:
+        return self.iters / self.seconds if self.seconds > 0 else 0.0
 
 
-def wrong_pages(src: Rank, dst: Rank, rounds: int) -> int:
-    bad = 0
-    for r in range(rounds):
-        for p in src.pages(r):
-            a = src.kv.get_data_page(p * src.P).contiguous().view(torch.uint8)
-            b = dst.kv.get_data_page(p * dst.P).contiguous().view(torch.uint8)
-            bad += not torch.equal(a, b)
-        bad += not torch.equal(src.mamba.get_data_page(r), dst.mamba.get_data_page(r))
-    return bad
+def loop_rate_alone(seconds: float = 0.3) -> float:
+    """The busy loop's rate with no other thread running (the reference)."""
+    loop = Busy()
+    threading.Timer(seconds, lambda: setattr(loop, "done", True)).start()
+    loop.run()
+    return loop.rate()
 
 
-def context_switches(kind: str = "voluntary") -> int | None:
-    """This thread's `kind` ("voluntary" or "nonvoluntary") context switches so
-    far (Linux), else None."""
+def timed(fn, busy: bool):
+    """fn() on a storage thread; (seconds, fn's result, Busy or None)."""
+    result, err, loop = [], [], Busy() if busy else None
+
+    def storage_thread():
+        try:
+            result.append(fn())
+        except BaseException as exc:  # re-raised on the main thread
+            err.append(exc)
+        finally:
+            if loop is not None:
+                loop.done = True
+
+    th = threading.Thread(target=storage_thread, name="hicache-storage")
+    t0 = time.perf_counter()
+    th.start()
+    if loop is not None:
+        loop.run()
+    th.join()
+    dt = time.perf_counter() - t0
+    if err:
+        raise err[0]
+    return dt, result[0], loop
+
+
+def one_run(rank, pages: int, busy: bool, label: str):
+    """A run of rank.requests prefetches; (seconds, Busy or None). Raises on a short hit."""
+    rank.clear_dst(pages)
+    with traced(label):
+        dt, done, loop = timed(lambda: [rank.prefetch(pages, r) for r in range(rank.requests)],
+                               busy)
+    if done != [pages] * rank.requests:
+        raise AssertionError(f"{label}: pages hit per request {done}, wanted {pages}")
+    rank.check(pages)
+    return dt, loop
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def run_geometry(S, hs, geom: str, args, root: str) -> dict:
+    g = HR.RH.geometry(geom, tiny=args.tiny)
+    top = max(args.round_pages)
+    ranks = {}
     try:
-        with open(f"/proc/self/task/{threading.get_native_id()}/status") as f:
-            for line in f:
-                if line.startswith(f"{kind}_ctxt_switches:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def busy_loop(worker: threading.Thread) -> tuple[int, int, float, int | None]:
-    """The scheduler: pure Python until `worker` ends.
-    (iterations, GIL gaps, gap seconds, times the OS preempted it)."""
-    pre = context_switches("nonvoluntary")
-    x, n, gaps, gap_s = 1, 0, 0, 0.0
-    clock = time.perf_counter
-    last = clock()
-    while worker.is_alive():
-        for i in range(CHUNK):
-            x = (x * 1103515245 + i) & 0xFFFFFFFF
-        n += CHUNK
-        now = clock()
-        if now - last > GAP_S:
-            gaps += 1
-            gap_s += now - last
-        last = now
-    post = context_switches("nonvoluntary")
-    return n, gaps, gap_s, None if pre is None or post is None else post - pre
-
-
-def clear_dst(dst: Rank) -> None:
-    for t in (dst.kv.kv_buffer, dst.mamba.temporal_buffer, *dst.mamba.conv_buffer):
-        t.zero_()
-
-
-def run_backend(S, hs, kind: str, args, root: str) -> dict:
-    store = os.path.join(root, kind)
-    os.makedirs(store, exist_ok=True)
-    src = Rank(S, hs, kind, store, args, seed=1)
-    dst = Rank(S, hs, kind, store, args, seed=2)
-    try:
-        t0 = time.perf_counter()
-        assert all(src.backup(r) for r in range(args.rounds)), f"{kind}: a backup failed"
-        write_s = time.perf_counter() - t0
-        kv_b, m_b = src.page_bytes()
-        total = args.rounds * (args.prefix_pages * kv_b + m_b)
-        out = {"write_s": write_s, "bytes_per_round_trip": total, "kv_page_bytes": kv_b,
-               "mamba_state_bytes": m_b, "modes": {}}
-        for mode in ("idle", "busy"):
-            times, wrong, rates, handoffs, gap_times, blocks, preempt = [], 0, [], [], [], [], []
-            for _ in range(args.runs):
-                clear_dst(dst)
-                done, switches = [], []
-
-                def storage_thread():
-                    v0 = context_switches()
-                    done.extend(dst.prefetch(r) for r in range(args.rounds))
-                    v1 = context_switches()
-                    if v0 is not None and v1 is not None:
-                        switches.append(v1 - v0)
-
-                worker = threading.Thread(target=storage_thread)
-                t0 = time.perf_counter()
-                worker.start()
-                if mode == "busy":
-                    # the scheduler is the main thread: pure Python until the storage thread ends
-                    n, gaps, gap_s, pre = busy_loop(worker)
-                    if pre is not None:
-                        preempt.append(pre / args.rounds)
-                    rates.append(n / (time.perf_counter() - t0))
-                    handoffs.append(gaps / args.rounds)
-                    gap_times.append(gap_s / args.rounds)
-                worker.join()
-                dt = time.perf_counter() - t0
-                assert done == [args.prefix_pages] * args.rounds, f"{kind} {mode}: hits {done}"
-                times.append(dt)
-                blocks.extend(n / args.rounds for n in switches)
-                wrong += wrong_pages(src, dst, args.rounds)
-            med = statistics.median(times)
-            per_round = statistics.median(handoffs) if handoffs else None
-            gap_ms = statistics.median(gap_times) * 1e3 if gap_times else None
-            per_round_blocks = statistics.median(blocks) if blocks else None
-            per_round_preempt = statistics.median(preempt) if preempt else None
-            out["modes"][mode] = {"median_s": med, "gbps": total / med / 1e9, "runs_s": times,
-                                  "wrong_pages": wrong,
-                                  "loop_rate": statistics.median(rates) if rates else None,
-                                  "gil_gaps_per_round": per_round,
-                                  "gil_gap_ms_per_round": gap_ms,
-                                  "storage_blocks_per_round": per_round_blocks,
-                                  "scheduler_preemptions_per_round": per_round_preempt}
-            gil = "GIL gaps/round None" if per_round is None else \
-                f"GIL gaps/round {per_round:.1f} ({gap_ms:.1f} ms)"
-            if per_round_blocks is not None:
-                gil += f", storage-thread blocks/round {per_round_blocks:.1f}"
-            if per_round_preempt is not None:
-                gil += f", scheduler preempted/round {per_round_preempt:.1f}"
-            log(f"{kind:5s} {mode:4s}: {total / med / 1e9:7.3f} GB/s  ({med:.3f} s for "
-                f"{total / 2**20:.0f} MiB, wrong pages {wrong}, {gil})")
-        if kind == "mp":
-            out["metrics"] = {k: v for k, v in dst.backend.metrics().items()
-                              if k.startswith("sidecar")}
+        for kind in ("mp", "nobytes"):
+            store = os.path.join(root, f"{geom}-{kind}")
+            os.makedirs(store, exist_ok=True)
+            ranks[kind] = HR.Rank(S, hs, g, kind, store, requests=args.requests,
+                                  max_pages=top, workers=args.workers)
+        mp, nb = ranks["mp"], ranks["nobytes"]
+        out = {"model": g["model"], "page_bytes": mp.page_bytes(), "sizes": {}}
+        for pages in args.round_pages:
+            out["sizes"][str(pages)] = run_size(mp, nb, geom, pages, args)
+        out["metrics"] = {k: v for k, v in mp.backend.metrics().items()
+                          if k.startswith("sidecar")}
         return out
     finally:
-        src.close()
-        dst.close()
+        for r in ranks.values():
+            r.close()
 
 
-def main(argv=None) -> dict:
+def run_size(mp, nb, geom, pages, args) -> dict:
+    for r in (mp, nb):
+        t0 = time.perf_counter()
+        for q in range(r.requests):
+            if not r.backup(pages, q):
+                raise AssertionError(f"{geom} {r.kind}: a backup of {pages} pages failed")
+        if r is mp:
+            write_s = time.perf_counter() - t0
+        r.calls.clear()
+    for r in (mp, nb):   # warm: the first run pays the index and page cache
+        one_run(r, pages, False, f"{geom}-{pages}:{r.kind}:warm")
+    mp.calls.clear()
+    nb.calls.clear()
+    t = {f"{k}_{m}": [] for k in ("mp", "nobytes") for m in ("idle", "busy")}
+    rates = {"mp": [], "nobytes": []}
+    gaps = {"mp": [], "nobytes": []}
+    for _ in range(args.runs):
+        for mode in ("idle", "busy"):
+            for r in (mp, nb):   # the floor's run right after mp's, same mode
+                dt, loop = one_run(r, pages, mode == "busy", f"{geom}-{pages}:{r.kind}:{mode}")
+                t[f"{r.kind}_{mode}"].append(dt)
+                if loop is not None:
+                    rates[r.kind].append(loop.rate())
+                    gaps[r.kind].append((loop.gaps / r.requests, loop.gap_s * 1e3 / r.requests))
+    calls = {k: v / (2 * args.runs * mp.requests) for k, v in sorted(mp.calls.items())}
+    res = figures(t, rates, calls, mp.requests, mp.round_bytes(pages))
+    res.update(write_s=write_s, calls_per_request=calls,
+               busy_gaps_per_request={k: [median([a for a, _ in v]), median([b for _, b in v])]
+                                      for k, v in gaps.items()},
+               wrong_pages=mp.wrong, checked_pages=mp.checked)
+    if args.trace_runs and isinstance(TRACE, GilTracer):
+        # after the timed runs: the tracer's own Python on the storage thread
+        # stays out of the timings
+        TRACE.arm()
+        for _ in range(args.trace_runs):
+            for mode in ("idle", "busy"):
+                for r in (mp, nb):
+                    one_run(r, pages, mode == "busy", f"{geom}-{pages}:{r.kind}:{mode}")
+        for r in (mp, nb):   # backup submissions under a busy scheduler
+            with traced(f"{geom}-{pages}:{r.kind}:backup-busy"):
+                ok = timed(lambda r=r: r.backup(pages, 0, fresh=True), True)[1]
+            assert ok, f"{geom} {r.kind}: the traced backup failed"
+        TRACE.disarm()
+        res["wrong_pages"], res["checked_pages"] = mp.wrong, mp.checked
+    log(f"{geom:5s} {pages:4d} pages: mp idle {res['mp_idle_gbps']:.3f} GB/s, busy/idle "
+        f"{res['mp_busy_over_idle']:.2f}, +{res['mp_ms_over_idle_per_round']:.1f} ms/round; floor "
+        f"+{res['nobytes_ms_over_idle_per_round']:.1f} ms/round; own "
+        f"{res['own_ms_per_request']:.2f} ms/request, "
+        f"{res['own_ms_per_batch_get_v2']:.2f} ms/batch_get_v2; loop mp/floor "
+        f"{res['loop_rate_mp_over_floor']:.3f}; wrong pages {res['wrong_pages']} of "
+        f"{res['checked_pages']}")
+    return res
+
+
+def figures(t: dict, rates: dict, calls: dict, requests: int, round_bytes: int) -> dict:
+    """Direct figures from the interleaved runs `t` (seconds per run of `requests`)."""
+    out = {"runs_s": t, "round_bytes": round_bytes}
+    for k in ("mp", "nobytes"):
+        idle, busy = median(t[f"{k}_idle"]), median(t[f"{k}_busy"])
+        out[f"{k}_idle_ms_per_round"] = idle * 1e3 / requests
+        out[f"{k}_busy_ms_per_round"] = busy * 1e3 / requests
+        out[f"{k}_ms_over_idle_per_round"] = (busy - idle) * 1e3 / requests
+        out[f"{k}_ms_over_idle_runs"] = [(b - i) * 1e3 / requests
+                                        for i, b in zip(t[f"{k}_idle"], t[f"{k}_busy"])]
+        out[f"{k}_loop_rate"] = median(rates[k])
+    out["mp_idle_gbps"] = requests * round_bytes / median(t["mp_idle"]) / 1e9
+    out["mp_busy_gbps"] = requests * round_bytes / median(t["mp_busy"]) / 1e9
+    out["mp_busy_over_idle"] = median(t["mp_idle"]) / median(t["mp_busy"])
+    out["mp_busy_over_idle_runs"] = [i / b for i, b in zip(t["mp_idle"], t["mp_busy"])]
+    # the backend's own cost of a busy scheduler, run by run (each mp run beside its floor run)
+    own = [((mb - mi) - (fb - fi)) * 1e3 / requests for mi, mb, fi, fb in
+           zip(t["mp_idle"], t["mp_busy"], t["nobytes_idle"], t["nobytes_busy"])]
+    v2 = calls.get("batch_get_v2") or 1
+    out["own_ms_per_request_runs"] = own
+    out["own_ms_per_request"] = median(own)
+    out["own_ms_per_batch_get_v2_runs"] = [x / v2 for x in own]
+    out["own_ms_per_batch_get_v2"] = median(own) / v2
+    out["loop_rate_mp_over_floor"] = (out["mp_loop_rate"] / out["nobytes_loop_rate"]
+                                      if out["nobytes_loop_rate"] else None)
+    return out
+
+
+def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=4, help="prefixes (one Mamba state each)")
-    ap.add_argument("--prefix-pages", type=int, default=256, help="KV pages per prefix")
-    ap.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
-    ap.add_argument("--attn-layers", type=int, default=12, help="full-attention layers")
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=256)
-    ap.add_argument("--kv-layout", default="page_first_direct",
-                    choices=["layer_first", "page_first_direct", "page_first"])
-    ap.add_argument("--mamba-layers", type=int, default=36, help="linear-attention layers")
-    ap.add_argument("--temporal", type=ints, default=(32, 128, 128),
-                    help="fp32 temporal state shape per layer")
-    ap.add_argument("--conv", type=ints, default=(8192, 3), help="bf16 conv state shape per layer")
-    ap.add_argument("--workers", type=int, default=8, help="mp workers for the KV pool")
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--backends", default="mp,file")
+    ap.add_argument("--geometries", default="mamba,swa,dsa")
+    ap.add_argument("--round-pages", default="64,256",
+                    help="KV pages per request (comma list: one set of figures each)")
+    ap.add_argument("--requests", type=int, default=2, help="prefetches per timed run")
+    ap.add_argument("--runs", type=int, default=5, help="interleaved runs per mode")
+    ap.add_argument("--trace-runs", type=int, default=2,
+                    help="traced runs per mode after the timed ones (0: none)")
+    ap.add_argument("--no-trace", dest="trace", action="store_false")
+    ap.add_argument("--tiny", action="store_true", help="pages of a few KiB (CPU tests)")
+    ap.add_argument("--workers", type=int, default=8, help="mp num_workers")
     ap.add_argument("--store", default=None, help="store root (default: a temp dir)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    args.round_pages = [int(x) for x in args.round_pages.split(",") if x]
+    args.geometries = [x.strip() for x in args.geometries.split(",") if x.strip()]
+    if not args.round_pages or min(args.round_pages) <= 0 or args.runs < 1 or args.requests < 1:
+        ap.error("--round-pages, --runs and --requests must be positive")
+    for gname in args.geometries:
+        try:
+            HR.RH.geometry(gname)
+        except ValueError as exc:
+            ap.error(str(exc))
+    return args
 
-    S = RH.load()
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    global TRACE
+    ROUNDS.clear()
+    if args.trace:   # before any storage thread starts: threading.setprofile reaches new ones only
+        TRACE = GilTracer().install()
+        TRACE.disarm()
+    else:
+        TRACE = _NoTrace()
+    S = HR.RH.load()
     import sglang.srt.mem_cache.hicache_storage as hs
+    import torch
+    res = {"device": "cuda" if torch.cuda.is_available() else "cpu",
+           "switch_interval_ms": sys.getswitchinterval() * 1e3,
+           "args": vars(args), "loop_rate_alone": loop_rate_alone(), "geometries": {}}
     root = args.store or tempfile.mkdtemp(prefix="hicache_mp_hybrid_")
-    log(f"store {root}; args {vars(args)}")
-    res = {"args": {k: v for k, v in vars(args).items()}, "backends": {}}
-    for kind in args.backends.split(","):
-        res["backends"][kind] = run_backend(S, hs, kind, args, root)
-    b = res["backends"]
-    if "mp" in b and "file" in b:
-        res["mp_over_file_busy"] = b["mp"]["modes"]["busy"]["gbps"] / b["file"]["modes"]["busy"]["gbps"]
-        res["mp_over_file_idle"] = b["mp"]["modes"]["idle"]["gbps"] / b["file"]["modes"]["idle"]["gbps"]
-        log(f"mp/file busy {res['mp_over_file_busy']:.1f}x, idle {res['mp_over_file_idle']:.1f}x "
-            f"(target: busy >= 10x)")
-    res["wrong_pages"] = sum(m["wrong_pages"] for r in b.values() for m in r["modes"].values())
-    log(f"wrong pages: {res['wrong_pages']}")
+    try:
+        for geom in args.geometries:
+            res["geometries"][geom] = run_geometry(S, hs, geom, args, root)
+    finally:
+        if isinstance(TRACE, GilTracer):
+            TRACE.uninstall()
+        if not args.store:
+            import shutil
+            shutil.rmtree(root, ignore_errors=True)
+    if isinstance(TRACE, GilTracer):
+        res["gil_trace"] = TRACE.report(ROUNDS)
+        res["gil_trace_table"] = ["| round | backend call | calls | C calls > 1 ms per call | "
+                                  "gaps > 2 ms per call | ms per call | top site |"]
+        for label in res["gil_trace"]:
+            if not label.endswith(":warm"):
+                res["gil_trace_table"] += trace_table(res["gil_trace"], label)
+        for row in res["gil_trace_table"]:
+            print(row, flush=True)
+    res["summary"] = summary(res)
+    print(json.dumps({"summary": res["summary"]}, indent=1), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(res, f, indent=2, default=str)
-    if not args.store:
-        import shutil
-        shutil.rmtree(root, ignore_errors=True)
+            json.dump(res, f, indent=1, default=str)
     return res
+
+
+def summary(res: dict) -> dict:
+    keys = ("mp_idle_gbps", "mp_busy_over_idle", "mp_ms_over_idle_per_round",
+            "nobytes_ms_over_idle_per_round", "own_ms_per_request", "own_ms_per_batch_get_v2",
+            "own_ms_per_request_runs", "loop_rate_mp_over_floor", "calls_per_request",
+            "wrong_pages")
+    out = {f"{g}-{n}": {k: r[k] for k in keys} for g, geo in res["geometries"].items()
+           for n, r in geo["sizes"].items()}
+    out["wrong_pages"] = sum(v["wrong_pages"] for v in out.values())
+    return out
 
 
 if __name__ == "__main__":
     r = main()
-    sys.exit(1 if r["wrong_pages"] else 0)
+    sys.exit(1 if r["summary"]["wrong_pages"] else 0)

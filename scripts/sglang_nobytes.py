@@ -4,8 +4,19 @@ Behind SGLang's real controller it measures SGLang's own hand-off floor: the
 time its prefetch/backup threads and queues take for a round when the backend
 costs nothing. Every key exists, every get and set succeeds. Must never be
 used where bytes matter.
+
+The v2 calls (hybrid models: Mamba, SWA, DSA indexer) answer the same way:
+every page of every pool present and moved, in pure Python on lists the
+caller gave (no torch or numpy call, so no GIL hand-off of its own).
 """
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolName, PoolTransferResult
+
+
+def _pages(transfer) -> int:
+    if transfer.keys is not None:
+        return len(transfer.keys)
+    idx = transfer.host_indices
+    return 0 if idx is None else len(idx)
 
 
 class NoBytes(HiCacheStorage):
@@ -20,6 +31,19 @@ class NoBytes(HiCacheStorage):
 
     def batch_set_v1(self, keys, host_indices, extra_info=None):
         return [True] * len(keys)
+
+    def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
+        n = len(keys)
+        hits = {PoolName.KV: n}
+        for t in pool_transfers or ():
+            hits[t.name] = n
+        return PoolTransferResult(kv_hit_pages=n, extra_pool_hit_pages=hits)
+
+    def batch_get_v2(self, transfers, extra_info=None):
+        return {t.name: [True] * _pages(t) for t in transfers}
+
+    def batch_set_v2(self, transfers, extra_info=None):
+        return {t.name: [True] * _pages(t) for t in transfers}
 
     def get(self, key, target_location=None, target_sizes=None):
         return target_location

@@ -137,3 +137,86 @@ def fill_random(pool, gen) -> None:
         raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
         if t.is_floating_point():   # no NaN payloads: bytes compare either way, values stay sane
             t.copy_(torch.nan_to_num(t, nan=0.0, posinf=1.0, neginf=-1.0))
+
+
+# --- the hybrid geometries of scripts/sglang_hybrid_check.py ---------------------
+# Per model, tp 1, bf16 KV, SGLang's page of 64 tokens. `tiny`: the same pool
+# kinds at a few KiB a page (CPU tests and smoke runs).
+GEOMETRIES = {
+    # Qwen3-Next-80B-A3B: 12 full-attention layers (2 KV heads of 256) and 36
+    # linear-attention layers, one Mamba state (fp32 temporal 32x128x128, bf16
+    # conv 8192x3 per layer) per prefix, read for its last page.
+    "mamba": dict(model="Qwen3-Next-80B-A3B", kv="mha", layers=12, heads=2, head_dim=256,
+                  page_size=64, mamba_layers=36, temporal=(32, 128, 128), conv=((8192, 3),)),
+    # gpt-oss-120b: 18 full and 18 sliding-window layers (8 KV heads of 64), a
+    # 128-token window: the SWA pool holds a prefix's last 2 pages.
+    "swa": dict(model="gpt-oss-120b", kv="mha", layers=18, heads=8, head_dim=64, page_size=64,
+                swa_layers=18, window_pages=2),
+    # DeepSeek-V3.2: MLA (512 + 64 rope) over 61 layers and the DSA indexer's
+    # 128 fp8 dims + fp32 scale per token per layer, read with every KV page.
+    "dsa": dict(model="DeepSeek-V3.2", kv="mla", layers=61, rank=512, rope=64, page_size=64,
+                indexer_bytes=132),
+}
+TINY = {
+    "mamba": dict(layers=2, heads=2, head_dim=32, page_size=8, mamba_layers=2,
+                  temporal=(2, 8, 8), conv=((32, 3),)),
+    "swa": dict(layers=2, heads=2, head_dim=32, page_size=8, swa_layers=2),
+    "dsa": dict(layers=2, rank=32, rope=8, page_size=8, indexer_bytes=12),
+}
+
+
+def geometry(name: str, tiny: bool = False) -> dict:
+    if name not in GEOMETRIES:
+        raise ValueError(f"unknown geometry {name!r} (one of {', '.join(GEOMETRIES)})")
+    g = dict(GEOMETRIES[name], name=name)
+    if tiny:
+        g.update(TINY[name])
+    return g
+
+
+def hybrid_pools(S, g: dict, *, kv_pages: int, prefixes: int) -> SimpleNamespace:
+    """SGLang's real host pools of geometry `g`: `kv_pages` KV pages (plus
+    SGLang's padding), and the sidecar pool: one Mamba slot or one SWA
+    window per prefix, or the DSA indexer over the KV pool. All on the shm
+    allocator."""
+    P, tokens = g["page_size"], kv_pages * g["page_size"] // 2   # the builders double it
+    out = SimpleNamespace(kv=None, mamba=None, swa=None, indexer=None)
+    if g["kv"] == "mla":
+        out.kv = mla_pool(S, layout="page_first_direct", layers=g["layers"], page_size=P,
+                          tokens=tokens, rank=g["rank"], rope=g["rope"])
+        out.indexer = dsa_indexer_pool(S, out.kv, bytes_per_token=g["indexer_bytes"])
+    else:
+        out.kv = mha_pool(S, layout="page_first_direct", layers=g["layers"], heads=g["heads"],
+                          head_dim=g["head_dim"], page_size=P, tokens=tokens)
+    if "mamba_layers" in g:
+        out.mamba = mamba_pool(S, layers=g["mamba_layers"], slots=prefixes,
+                               temporal=g["temporal"], conv=g["conv"])
+    if "swa_layers" in g:
+        out.swa = mha_pool(S, layout="page_first_direct", layers=g["swa_layers"],
+                           heads=g["heads"], head_dim=g["head_dim"], page_size=P,
+                           tokens=prefixes * g.get("window_pages", 2) * P // 2)
+    return out
+
+
+def fill_words(pool, gen) -> None:
+    """Random bytes in every host tensor of `pool`, 8 at a time (a GiB in a
+    second or two; `fill_random`'s bytewise randint is several times slower).
+    Float payloads may hold NaNs: compare pages as bytes."""
+    for name in ("kv_buffer", "temporal_buffer", "index_k_with_scale_buffer"):
+        t = getattr(pool, name, None)
+        if isinstance(t, torch.Tensor):
+            _fill(t, gen)
+    for t in list(getattr(pool, "conv_buffer", None) or []):
+        _fill(t, gen)
+
+
+def _fill(t, gen) -> None:
+    raw = t.view(torch.uint8).view(-1)
+    for a in range(0, raw.numel(), 1 << 28):
+        chunk = raw[a:a + (1 << 28)]
+        n = chunk.numel() - chunk.numel() % 8
+        if n:
+            chunk[:n].view(torch.int64).random_(generator=gen)
+        if n < chunk.numel():
+            chunk[n:].copy_(torch.randint(0, 256, (chunk.numel() - n,), generator=gen,
+                                          dtype=torch.uint8))
