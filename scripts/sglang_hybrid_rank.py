@@ -36,7 +36,8 @@ class Rank:
                  workers: int):
         from sglang.srt.mem_cache.hicache_storage import (HiCacheStorageExtraInfo, PoolHitPolicy,
                                                           PoolName, PoolTransfer)
-        self.T, self.N, self.H, self.X = PoolTransfer, PoolName, PoolHitPolicy, HiCacheStorageExtraInfo
+        self.T, self.N, self.H = PoolTransfer, PoolName, PoolHitPolicy
+        self.X = HiCacheStorageExtraInfo
         self.kind, self.g, self.requests, self.top = kind, g, requests, max_pages
         self.P, self.W = g["page_size"], g.get("window_pages", 2)
         self.pools = RH.hybrid_pools(S, g, kv_pages=2 * requests * max_pages,
@@ -191,7 +192,8 @@ class Rank:
         if self.kind == "nobytes":
             return
         for r in range(self.requests):
-            for (label, dst), (_, src) in zip(self._views(DST, r, pages), self._views(SRC, r, pages)):
+            pairs = zip(self._views(DST, r, pages), self._views(SRC, r, pages))
+            for (label, dst), (_, src) in pairs:
                 n = {"kv": pages, "indexer": pages, "mamba": 1, "swa": self.W}[label]
                 self.checked += n
                 if all(torch.equal(d.view(torch.uint8), s.view(torch.uint8))
