@@ -84,6 +84,17 @@ class Closing:
                 self._sleepers.pop(me, None)
             self._sleepers_gone.notify_all()
 
+    def _sleep_counted(self, timeout_s: float, op=None) -> bool:
+        """One `_sleep_for_completion`, this thread counted asleep for close()
+        meanwhile; False (no sleep) once nothing is left to sleep on."""
+        if not self._enter_sleep():
+            return False
+        try:
+            self._sleep_for_completion(timeout_s, op)
+        finally:
+            self._leave_sleep()
+        return True
+
     def _others_asleep(self, me: int) -> bool:
         """Threads other than `me` asleep in the engine and not themselves
         inside close() (one that is waits for `me`; its sleep is safe either

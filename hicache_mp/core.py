@@ -1,10 +1,13 @@
 """EngineCore: the scheduler-side half shared by the `mp` engine and the `file` baseline.
 
-Owns input checks, the key namespace, the exists index, the table of ops in
-flight, host-slot reservations, completion bookkeeping, blocking waits and
-metrics. Must not move page bytes: subclasses hand records to their I/O (worker
-processes for `mp`, a Python thread for `file`) and feed completions back
-through `_apply`.
+Owns the key namespace, the table of ops in flight, starting an op
+(host-slot reservations, pins, the backup budget), cancel, poll, blocking
+waits, process ownership and metrics; with its mixins, the exists index's
+calls (hicache_mp.lookups), completion bookkeeping (hicache_mp.books) and
+close() (hicache_mp.closing); the input checks are hicache_mp.checks. Must
+not move page bytes: subclasses hand records to their I/O (worker processes
+for `mp`, a Python thread for `file`) and feed completions back through
+`_apply`.
 
 Host slots named in an op are reserved from submit until the op is `done`
 (every page accounted for), because an I/O may still be writing into them;
@@ -20,7 +23,6 @@ Pages of ops in flight are pinned (`_pins`, a counting table by digest;
 workers.control): the evictor never removes a pinned page. One vectorised add
 per op and one decrement per completed page, no syscalls.
 """
-import logging
 import math
 import os
 import threading
@@ -34,39 +36,22 @@ from workers import naming
 from workers import status as st
 from workers.control import PIN_SLOTS, pin_slots
 from workers.stores import open_store
-from workers.timing import ABANDON_GRACE_S, PROBE_WAIT_SLICE_S, WAIT_SLICE_S
+from workers.timing import ABANDON_GRACE_S, WAIT_SLICE_S
 
+from .books import Books
+from .checks import check_pages, check_pool_size, check_timeout
 from .closing import Closing, EngineClosed, EngineForked
 from .config import POLICIES, EngineConfig
 from .discovery import Discovery
 from .index import StoreIndex
+from .lookups import Lookups
 from .ops import READ, WRITE, Op
-
-log = logging.getLogger("hicache_mp")
-_IS_READ_MISS = np.zeros(256, dtype=bool)  # by status code: a read result that heals the index
-_IS_READ_MISS[list(st.READ_MISSES)] = True
-
-
-def _check_pool_size(nbytes: int) -> None:
-    """An absurd pool size is a ValueError here, before anything is allocated.
-
-    Whatever backs the host pool (a /dev/shm segment, or a region handed over
-    by fd), it needs that much memory; a segment created by the engine is also
-    checked against /dev/shm's free space (`shm.hostpool`).
-    """
-    import psutil
-    limit = psutil.virtual_memory().total + psutil.swap_memory().total
-    if nbytes > limit:
-        raise ValueError(f"a host pool of {nbytes / 2**30:.1f} GiB does not fit in this machine's "
-                         f"memory ({limit / 2**30:.1f} GiB): lower host_pool_pages or the page size")
 
 
 # Engines of this process; a forked child disowns them all before it runs any
 # code of its own (os.register_at_fork), so nothing it does, or its exit,
 # touches the parent's workers, rings, segments or files.
 _LIVE = weakref.WeakSet()
-# wait()'s longest sleep before it polls again (health, closed engine); the
-# engine caps each sleep further (engine.TARGET_CAP_S, 5 ms with no target).
 
 
 def _disown_after_fork() -> None:
@@ -77,28 +62,16 @@ def _disown_after_fork() -> None:
 os.register_at_fork(after_in_child=_disown_after_fork)
 
 
-def check_timeout(timeout_s, name: str = "timeout_s"):
-    """A timeout in seconds as a float, or None for none (None or inf);
-    ValueError for anything else: a string, a bool, a negative number, NaN."""
-    if timeout_s is None:
-        return None
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
-        raise ValueError(f"{name} must be a number of seconds or None, got {timeout_s!r}")
-    if not timeout_s >= 0:  # also NaN
-        raise ValueError(f"{name} must be >= 0 (or None / inf for no timeout), got {timeout_s!r}")
-    return None if math.isinf(timeout_s) else float(timeout_s)
-
-
 __all__ = ["EngineCore", "EngineClosed", "EngineForked", "check_timeout"]
 
 
-class EngineCore(Closing):
+class EngineCore(Lookups, Books, Closing):
     backend = "?"
 
     def __init__(self, config: EngineConfig, geometry: PageGeometry):
         if not isinstance(geometry, PageGeometry):
             raise ValueError(f"geometry must be a PageGeometry, got {type(geometry).__name__}")
-        _check_pool_size(geometry.pool_bytes(config.host_pool_pages))
+        check_pool_size(geometry.pool_bytes(config.host_pool_pages))
         self.config = config
         self.geometry = geometry
         self.namespace = naming.namespace(config.model_name, geometry.fingerprint(),
@@ -174,117 +147,6 @@ class EngineCore(Closing):
         return out
 
     # --- public API -----------------------------------------------------------
-    def exists(self, keys, *, wait_s: float = 0.0) -> int:
-        """How many leading keys have a page in the store.
-
-        No syscall here. The keys the index does not know are asked of the
-        store by workers (one stat each, at most once per PROBE_TTL_S per
-        key; hicache_mp.discovery): when none of the prefix is known, its
-        first key alone, and once that one is found, the keys after it
-        together: pages another engine wrote are found by a later call once
-        `poll()` has the answers, or by this one with `wait_s` > 0, which
-        waits up to that long (GIL released) for them. Head first because a
-        prefix whose first missing page is absent is no longer whatever
-        follows: asking about the rest would cost the store a stat per key,
-        and this thread a digest per key, for nothing. EngineClosed once the
-        engine is closed (also when a close() interrupted this call).
-        """
-        self._check_open()
-        try:
-            n = self._exists(keys, wait_s)
-        except Exception as exc:
-            raise self._closed_during("exists()", exc)
-        if self._closed:
-            raise EngineClosed("engine was closed during exists()")
-        return n
-
-    def _exists(self, keys, wait_s: float) -> int:
-        if not isinstance(keys, (list, tuple)):
-            keys = list(keys)
-        n = self._leading(keys)
-        if n == len(keys):
-            return n
-        deadline = time.monotonic() + wait_s
-        # A prefix whose first pages are known is asked about whole (its
-        # writer likely wrote on); one with none known, head first.
-        head = n == 0
-        while True:
-            self._ask(keys[n:], deadline, whole=not head)
-            found = self._leading(keys[n:])
-            if not head or not found or time.monotonic() >= deadline:
-                return n + found
-            n, head = n + found, False  # the head is there: ask about the rest
-            if n == len(keys):
-                return n
-
-    def ask(self, keys, *, wait_s: float = 0.0) -> None:
-        """Ask the store about every key the index misses, not only a prefix's
-        head (a sidecar pool's trailing pages; `present()` then says which are
-        there); waits up to `wait_s` for the answers, as `exists()` does."""
-        self._check_open()
-        keys = list(keys)
-        ns, known = self.namespace, self._index.digests
-        missing = [k for k in keys if naming.key_digest(k, ns) not in known]
-        if missing:
-            try:
-                self._ask(missing, time.monotonic() + wait_s, whole=True)
-            except Exception as exc:
-                raise self._closed_during("ask()", exc)
-
-    def _ask(self, keys, deadline: float, whole: bool) -> None:
-        """Probe `keys` (the first is unknown; with `whole`, the rest too) and
-        wait until they are answered or `deadline`."""
-        with self._lock:
-            self._check_open()
-            waiting = self._probe(keys, whole)
-        while waiting and time.monotonic() < deadline:
-            self.poll()  # EngineClosed once closed
-            left = deadline - time.monotonic()
-            if left <= 0 or waiting.isdisjoint(self._discovery.waiting):
-                return
-            if not self._enter_sleep():  # the sleepers protocol of wait()
-                continue
-            try:
-                self._sleep_for_completion(min(left, PROBE_WAIT_SLICE_S))
-            finally:
-                self._leave_sleep()
-
-    def _leading(self, keys) -> int:
-        ns, known = self.namespace, self._index.digests
-        n = 0
-        for key in keys:
-            if naming.key_digest(key, ns) not in known:
-                break
-            n += 1
-        return n
-
-    def present(self, keys) -> np.ndarray:
-        """One bool per key: is its page in the store, as far as the index knows (no syscalls)."""
-        if self._forked:
-            self._refuse_in_child()
-        ns, have = self.namespace, self._index.digests
-        return np.array([naming.key_digest(k, ns) in have for k in keys], dtype=bool)
-
-    def mark_present(self, keys) -> None:
-        """Tell the index these keys' pages are in the store (another process wrote them)."""
-        if self._forked:
-            self._refuse_in_child()
-        ns = self.namespace
-        with self._lock:
-            for key in keys:
-                self._index.add(naming.key_digest(key, ns))
-
-    def forget_all(self) -> None:
-        """Empty the index (the store was cleared under it)."""
-        if self._forked:
-            self._refuse_in_child()
-        with self._lock:
-            self._index.digests.clear()
-
-    def indexed_pages(self) -> int:
-        """Pages the index knows of."""
-        return len(self._index)
-
     def worker_count(self) -> int:
         """I/O workers (processes for `mp`, threads for `file`)."""
         return self._num_workers()
@@ -387,28 +249,15 @@ class EngineCore(Closing):
                 self.poll()
                 if op.done and not self._closed:
                     return True
+                # A slice, then poll again (health, a closed engine); the mp
+                # engine caps each sleep further (hicache_mp.waiters, note 7).
                 left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S,
                                                                  deadline - time.monotonic())
                 if left <= 0:
                     return False
-                if not self._enter_sleep():  # released: the loop's first line says so
-                    continue
-                try:
-                    self._sleep_for_completion(left, op)
-                finally:
-                    self._leave_sleep()
+                self._sleep_counted(left, op)  # released: the loop's first line says so
         except Exception as exc:
             raise self._closed_during("wait()", exc)
-
-    def refresh(self) -> int:
-        """Rescan the store (picks up pages other engines wrote). Returns the count."""
-        if self._forked:
-            self._refuse_in_child()
-        found = StoreIndex(self._store)
-        found.scan()
-        with self._lock:
-            self._index.digests |= found.digests
-            return len(self._index)
 
     def metrics(self) -> dict:
         """Counters and rates; also on a closed engine (`close`: what close() did)."""
@@ -468,7 +317,7 @@ class EngineCore(Closing):
         if policy is not None and policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         keys = list(keys)
-        pages = self._check_pages(host_pages, len(keys))
+        pages = check_pages(host_pages, len(keys), self.config.host_pool_pages)
         ns = self.namespace
         digests = [naming.key_digest(k, ns) for k in keys]  # raises ValueError on a bad key
         with self._lock:
@@ -505,124 +354,6 @@ class EngineCore(Closing):
                         return op
             self._submit(op)
             return op
-
-    def _check_pages(self, host_pages, nkeys: int) -> np.ndarray:
-        try:
-            pages = np.asarray(host_pages)
-        except Exception as exc:
-            raise ValueError(f"host_pages must be a sequence of ints: {exc}") from None
-        if pages.ndim != 1 or (pages.size and pages.dtype.kind not in "iu"):
-            raise ValueError(f"host_pages must be a 1-D sequence of ints, got dtype {pages.dtype} "
-                             f"shape {pages.shape}")
-        listed = pages.tolist()  # min/max in Python: numpy's reductions may let the GIL go
-        if pages.size and pages.dtype.kind == "u" and max(listed) > np.iinfo(np.int64).max:
-            raise ValueError(f"host page {max(listed)} out of range")  # before the cast wraps it
-        pages = pages.astype(np.int64, copy=False)
-        if len(pages) != nkeys:
-            raise ValueError(f"{nkeys} keys but {len(pages)} host pages")
-        limit = self.config.host_pool_pages
-        if len(pages) > limit:
-            raise ValueError(f"op of {len(pages)} pages exceeds the host pool ({limit} pages)")
-        if len(pages):
-            lo, hi = min(listed), max(listed)
-            if lo < 0 or hi >= limit:
-                raise ValueError(f"host page {lo if lo < 0 else hi} out of range [0, {limit})")
-            if gilkeep.repeats(pages):
-                raise ValueError("host pages repeat within one op")
-        return pages
-
-    def _apply(self, op: Op, pos: int, code: int, io_ns: int, err: int, now_ns: int,
-               seq: int | None = None) -> None:
-        """Feed one page's outcome to its op; retire the op when it is done.
-        `seq`: its place in the landed order, when the caller numbered a batch."""
-        if op.page_status[pos] != st.PENDING:
-            return
-        self._reserved[op.host_pages[pos]] = False
-        self._pins[op.pin_slots[pos]] -= 1
-        if op.kind == WRITE:
-            self._write_pages -= 1
-        if seq is None:
-            seq = self._seq
-            self._seq += 1
-        op.landed_seq[pos] = seq
-        self._counts[op.kind][code] += 1
-        if code == st.OK:
-            if op.kind == WRITE:
-                self._index.add(op.digests[pos])
-        else:
-            if op.kind == READ and code in st.READ_MISSES:
-                self._index.discard(op.digests[pos])  # the index was stale: heal it
-            self._log_cause(op.kind, code, err)
-        if op._complete(pos, code, io_ns, now_ns):
-            self._retire(op, now_ns)
-
-    def _apply_many(self, op: Op, pos, codes, io_ns, errs, seqs, now_ns: int) -> None:
-        """`_apply` for many pages of one op at once (numpy arrays; a page at most
-        once); `seqs` are their places in the engine-wide completion order.
-
-        What `poll()` pays per drained completion: a scheduler that polls once
-        per step (SGLang does) drains a step's worth of pages together. On the
-        2-core CI box, 4096 completions in one poll: 4.3 µs each through
-        `_apply`, 1.1 µs each here. Its numpy calls have a fixed cost, so small
-        drains keep the scalar path (engine.BATCH_APPLY_MIN).
-        """
-        # contiguous: fancy stores from a record field's strided view may loop
-        # with the GIL released (shm.gilkeep)
-        pos = pos.astype(np.intp)
-        codes, io_ns, errs = (np.ascontiguousarray(a) for a in (codes, io_ns, errs))
-        live = op.page_status[pos] == st.PENDING  # pages failed by a worker death stay failed
-        if not gilkeep.all_(live):
-            pos, codes, io_ns, errs, seqs = pos[live], codes[live], io_ns[live], errs[live], \
-                seqs[live]
-        n = len(pos)
-        if not n:
-            return
-        gilkeep.set_at(self._reserved, gilkeep.take(op.host_pages, pos), False)
-        gilkeep.add_at(self._pins, gilkeep.take(op.pin_slots, pos), -1)
-        if op.kind == WRITE:
-            self._write_pages -= n
-        op.landed_seq[pos] = seqs
-        gilkeep.add_at(self._counts[op.kind], codes, 1)
-        ok = codes == st.OK
-        digests = op.digests
-        if op.kind == WRITE and gilkeep.any_(ok):
-            add = self._index.add
-            for p in pos[ok].tolist():
-                add(digests[p])
-        if not gilkeep.all_(ok):
-            bad = ~ok
-            if op.kind == READ:
-                discard = self._index.discard  # the index was stale: heal it
-                for p in pos[bad & _IS_READ_MISS[codes]].tolist():
-                    discard(digests[p])
-            for code, err in set(zip(codes[bad].tolist(), errs[bad].tolist())):
-                self._log_cause(op.kind, code, err)
-        if op._complete_many(pos, codes, gilkeep.total(io_ns), now_ns):
-            self._retire(op, now_ns)
-
-    def _retire(self, op: Op, now_ns: int) -> None:
-        slots = op.host_pages
-        self._slot_op[slots[self._slot_op[slots] == op.id]] = 0
-        self._ops.pop(op.id, None)
-        self._in_flight[op.kind] -= 1
-        if self._in_flight[op.kind] == 0:
-            self._busy_ns[op.kind] += now_ns - self._busy_since[op.kind]
-
-    def _log_cause(self, kind: str, code: int, err: int) -> None:
-        """One log line per distinct cause, not one per page."""
-        if code in (st.MISS, st.CANCELLED, st.WORKER_DIED):  # deaths are logged by the engine
-            return
-        cause = (kind, code, err)
-        if cause in self._logged_causes:
-            return
-        self._logged_causes.add(cause)
-        if code == st.DROPPED:  # two causes: the backup budget (errno 0), storage limits (ENOSPC)
-            detail = (f" ({os.strerror(err)}: over the storage limits)" if err else
-                      f" (over backup_budget_pages={self._backup_budget})")
-        else:
-            detail = f" ({os.strerror(err)})" if err else ""
-        log.warning("hicache_mp %s: %s%s; later pages with this cause are counted in "
-                    "metrics(), not logged", kind, st.NAMES[code], detail)
 
     def _start_rescan(self) -> None:
         self._last_rescan = time.monotonic()

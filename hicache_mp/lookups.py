@@ -1,0 +1,140 @@
+"""Lookups: which keys have a page in the store, as far as this engine knows.
+
+Owns the public calls on the exists index (exists, ask, present,
+mark_present, forget_all, indexed_pages, refresh) and the wait for probe
+answers. Must not make a system call on the caller's thread (the index is
+in memory; workers stat the store for keys it misses, hicache_mp.discovery)
+nor let the GIL go outside the engine's one sleep (decision 74).
+
+`Lookups` is a mixin of EngineCore, whose `__init__` makes the index, the
+discovery table and the lock it uses.
+"""
+import time
+
+import numpy as np
+
+from workers import naming
+from workers.timing import PROBE_WAIT_SLICE_S
+
+from .closing import EngineClosed
+from .index import StoreIndex
+
+
+class Lookups:
+    """EngineCore's exists-index calls."""
+
+    def exists(self, keys, *, wait_s: float = 0.0) -> int:
+        """How many leading keys have a page in the store.
+
+        No syscall here. The keys the index does not know are asked of the
+        store by workers (one stat each, at most once per PROBE_TTL_S per
+        key; hicache_mp.discovery): when none of the prefix is known, its
+        first key alone, and once that one is found, the keys after it
+        together: pages another engine wrote are found by a later call once
+        `poll()` has the answers, or by this one with `wait_s` > 0, which
+        waits up to that long (GIL released) for them. Head first because a
+        prefix whose first missing page is absent is no longer whatever
+        follows: asking about the rest would cost the store a stat per key,
+        and this thread a digest per key, for nothing. EngineClosed once the
+        engine is closed (also when a close() interrupted this call).
+        """
+        self._check_open()
+        try:
+            n = self._exists(keys, wait_s)
+        except Exception as exc:
+            raise self._closed_during("exists()", exc)
+        if self._closed:
+            raise EngineClosed("engine was closed during exists()")
+        return n
+
+    def _exists(self, keys, wait_s: float) -> int:
+        if not isinstance(keys, (list, tuple)):
+            keys = list(keys)
+        n = self._leading(keys)
+        if n == len(keys):
+            return n
+        deadline = time.monotonic() + wait_s
+        # A prefix whose first pages are known is asked about whole (its
+        # writer likely wrote on); one with none known, head first.
+        head = n == 0
+        while True:
+            self._ask(keys[n:], deadline, whole=not head)
+            found = self._leading(keys[n:])
+            if not head or not found or time.monotonic() >= deadline:
+                return n + found
+            n, head = n + found, False  # the head is there: ask about the rest
+            if n == len(keys):
+                return n
+
+    def ask(self, keys, *, wait_s: float = 0.0) -> None:
+        """Ask the store about every key the index misses, not only a prefix's
+        head (a sidecar pool's trailing pages; `present()` then says which are
+        there); waits up to `wait_s` for the answers, as `exists()` does."""
+        self._check_open()
+        keys = list(keys)
+        ns, known = self.namespace, self._index.digests
+        missing = [k for k in keys if naming.key_digest(k, ns) not in known]
+        if missing:
+            try:
+                self._ask(missing, time.monotonic() + wait_s, whole=True)
+            except Exception as exc:
+                raise self._closed_during("ask()", exc)
+
+    def _ask(self, keys, deadline: float, whole: bool) -> None:
+        """Probe `keys` (the first is unknown; with `whole`, the rest too) and
+        wait until they are answered or `deadline`."""
+        with self._lock:
+            self._check_open()
+            waiting = self._probe(keys, whole)
+        while waiting and time.monotonic() < deadline:
+            self.poll()  # EngineClosed once closed
+            left = deadline - time.monotonic()
+            if left <= 0 or waiting.isdisjoint(self._discovery.waiting):
+                return
+            self._sleep_counted(min(left, PROBE_WAIT_SLICE_S))
+
+    def _leading(self, keys) -> int:
+        ns, known = self.namespace, self._index.digests
+        n = 0
+        for key in keys:
+            if naming.key_digest(key, ns) not in known:
+                break
+            n += 1
+        return n
+
+    def present(self, keys) -> np.ndarray:
+        """One bool per key: is its page in the store, as far as the index knows (no syscalls)."""
+        if self._forked:
+            self._refuse_in_child()
+        ns, have = self.namespace, self._index.digests
+        return np.array([naming.key_digest(k, ns) in have for k in keys], dtype=bool)
+
+    def mark_present(self, keys) -> None:
+        """Tell the index these keys' pages are in the store (another process wrote them)."""
+        if self._forked:
+            self._refuse_in_child()
+        ns = self.namespace
+        with self._lock:
+            for key in keys:
+                self._index.add(naming.key_digest(key, ns))
+
+    def forget_all(self) -> None:
+        """Empty the index (the store was cleared under it)."""
+        if self._forked:
+            self._refuse_in_child()
+        with self._lock:
+            self._index.digests.clear()
+
+    def indexed_pages(self) -> int:
+        """Pages the index knows of."""
+        return len(self._index)
+
+    def refresh(self) -> int:
+        """Rescan the store (picks up pages other engines wrote). Returns the count."""
+        if self._forked:
+            self._refuse_in_child()
+        found = StoreIndex(self._store)
+        found.scan()
+        with self._lock:
+            self._index.digests |= found.digests
+            return len(self._index)
