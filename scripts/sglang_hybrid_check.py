@@ -224,8 +224,8 @@ def run_size(mp, nb, geom, pages, args) -> dict:
         TRACE.disarm()
         res["wrong_pages"], res["checked_pages"] = mp.wrong, mp.checked
     log(f"{geom:5s} {pages:4d} pages: mp idle {res['mp_idle_gbps']:.3f} GB/s, busy/idle "
-        f"{res['mp_busy_over_idle']:.2f}, +{res['mp_ms_over_idle_per_round']:.1f} ms/round; floor "
-        f"+{res['nobytes_ms_over_idle_per_round']:.1f} ms/round; own "
+        f"{res['mp_busy_over_idle']:.2f}, {res['mp_ms_over_idle_per_round']:+.1f} ms/round; floor "
+        f"{res['nobytes_ms_over_idle_per_round']:+.1f} ms/round; own "
         f"{res['own_ms_per_request']:.2f} ms/request, "
         f"{res['own_ms_per_batch_get_v2']:.2f} ms/batch_get_v2; loop mp/floor "
         f"{res['loop_rate_mp_over_floor']:.3f}; wrong pages {res['wrong_pages']} of "
@@ -273,7 +273,8 @@ def parse(argv=None):
     ap.add_argument("--no-trace", dest="trace", action="store_false")
     ap.add_argument("--tiny", action="store_true", help="pages of a few KiB (CPU tests)")
     ap.add_argument("--workers", type=int, default=8, help="mp num_workers")
-    ap.add_argument("--store", default=None, help="store root (default: a temp dir)")
+    ap.add_argument("--store", default=None,
+                    help="directory for the stores' temp dir (removed at the end)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     args.round_pages = [int(x) for x in args.round_pages.split(",") if x]
@@ -303,16 +304,16 @@ def main(argv=None) -> dict:
     res = {"device": "cuda" if torch.cuda.is_available() else "cpu",
            "switch_interval_ms": sys.getswitchinterval() * 1e3,
            "args": vars(args), "loop_rate_alone": loop_rate_alone(), "geometries": {}}
-    root = args.store or tempfile.mkdtemp(prefix="hicache_mp_hybrid_")
+    root = tempfile.mkdtemp(dir=args.store, prefix="hicache_mp_hybrid_")
     try:
         for geom in args.geometries:
             res["geometries"][geom] = run_geometry(S, hs, geom, args, root)
+            write(args.json, res)   # so far: a run cut short by a time limit keeps these
     finally:
         if isinstance(TRACE, GilTracer):
             TRACE.uninstall()
-        if not args.store:
-            import shutil
-            shutil.rmtree(root, ignore_errors=True)
+        import shutil
+        shutil.rmtree(root, ignore_errors=True)
     if isinstance(TRACE, GilTracer):
         res["gil_trace"] = TRACE.report(ROUNDS)
         res["gil_trace_table"] = ["| round | backend call | calls | C calls > 1 ms per call | "
@@ -324,10 +325,14 @@ def main(argv=None) -> dict:
             print(row, flush=True)
     res["summary"] = summary(res)
     print(json.dumps({"summary": res["summary"]}, indent=1), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1, default=str)
+    write(args.json, res)
     return res
+
+
+def write(path, res) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1, default=str)
 
 
 def summary(res: dict) -> dict:

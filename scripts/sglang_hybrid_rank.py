@@ -40,8 +40,10 @@ class Rank:
         self.X = HiCacheStorageExtraInfo
         self.kind, self.g, self.requests, self.top = kind, g, requests, max_pages
         self.P, self.W = g["page_size"], g.get("window_pages", 2)
-        self.pools = RH.hybrid_pools(S, g, kv_pages=2 * requests * max_pages,
-                                     prefixes=2 * requests)
+        # the no-bytes backend never touches a pool: one page each (on CUDA each
+        # pool is pinned; the indices of a round are the same either way)
+        pages, prefixes = (2 * requests * max_pages, 2 * requests) if kind == "mp" else (2, 2)
+        self.pools = RH.hybrid_pools(S, g, kv_pages=pages, prefixes=prefixes)
         _KEEP_POOLS.append(self.pools)
         if kind == "mp":
             gen = torch.Generator().manual_seed(11)
