@@ -231,11 +231,12 @@ class Worker:
                 if self.parent_gone() or self.control.stopping():
                     return
                 time.sleep(BACKOFF_S)
-        if self.control.words[WAITERS]:
+        if self.control.words[WAITERS]:  # read after the push (hicache_mp.waiters, note 3)
             self._maybe_wake()
 
     def _maybe_wake(self) -> None:
-        """Post the waiter's semaphore: always when a waiter set no
+        """The post side of the wake-up protocol (hicache_mp.waiters, note 4).
+        Post the waiter's semaphore: always when a waiter set no
         target (control: WAKE_AT); with one, once it is reached, once per
         target (WAKE_SEQ / POSTED_SEQ), and not while a post is pending:
         workers finishing a batch's last pages together each see the target
