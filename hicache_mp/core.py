@@ -7,7 +7,8 @@ calls (hicache_mp.lookups), completion bookkeeping (hicache_mp.books) and
 close() (hicache_mp.closing); the input checks are hicache_mp.checks. Must
 not move page bytes: subclasses hand records to their I/O (worker processes
 for `mp`, a Python thread for `file`) and feed completions back through
-`_apply`.
+`_apply`. The class is a little over 300 lines: the public calls of both
+backends, each docstring that call's contract.
 
 Host slots named in an op are reserved from submit until the op is `done`
 (every page accounted for), because an I/O may still be writing into them;
