@@ -40,9 +40,11 @@ class Rank:
         self.X = HiCacheStorageExtraInfo
         self.kind, self.g, self.requests, self.top = kind, g, requests, max_pages
         self.P, self.W = g["page_size"], g.get("window_pages", 2)
-        # the no-bytes backend never touches a pool: one page each (on CUDA each
-        # pool is pinned; the indices of a round are the same either way)
-        pages, prefixes = (2 * requests * max_pages, 2 * requests) if kind == "mp" else (2, 2)
+        # the no-bytes backend never touches a pool: small ones (on CUDA each pool
+        # is pinned; the indices of a round are the same either way). SGLang's MLA
+        # page_first_direct pool wants at least a page per layer.
+        pages, prefixes = ((2 * requests * max_pages, 2 * requests) if kind == "mp"
+                           else (max(2, g["layers"]), 2))
         self.pools = RH.hybrid_pools(S, g, kv_pages=pages, prefixes=prefixes)
         _KEEP_POOLS.append(self.pools)
         if kind == "mp":
