@@ -1,6 +1,6 @@
 """The `hicache-mp` command line. Subcommands `bench` (the long-context workload, per
 backend) and `import-sglang` (convert an SGLang `file` store;
-hicache_mp.integrations.sglang_import).
+hicache_mp.integrations.sglang.store_import).
 
 Owns argv parsing, progress and result printing, and writing `--json` /
 `--plot` files. Must not hold benchmark logic: `hicache_mp.bench.sim.bench` runs it.
@@ -86,8 +86,8 @@ from .bench.sim.bench import (ALL_RUNS, SLEEP0, Bench, BenchConfig, busy_machine
 from .bench.sim.plot import plot_report
 from .bench.sim.summary import format_comparison, format_summary, format_verdict
 from .config import add_engine_flags, engine_options
-from .integrations.sglang_import import import_sglang_store, shards_for
-from .integrations.sglang_layouts import RAW_LAYOUTS
+from .integrations.sglang.layouts import RAW_LAYOUTS
+from .integrations.sglang.store_import import import_sglang_store, shards_for
 
 BACKEND_CHOICES = ("all", "none", "file", "fast_file", "mp")
 LAYOUTS = ("page_first", "layer_first")
@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# --- import-sglang (logic: hicache_mp.integrations.sglang_import) ---------------
+# --- import-sglang (logic: hicache_mp.integrations.sglang.store_import) --------
 def _import_sglang_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "import-sglang", formatter_class=argparse.ArgumentDefaultsHelpFormatter,

@@ -7,9 +7,9 @@ default, allowed values, command-line flag, SGLang extra-config key and help.
 it is current (tests/test_docs.py runs the same comparison). Must not start
 an engine or change a setting: it only reads the declarations.
 
-The adapter's section needs SGLang importable (the adapter module imports
-it); without it the page is not written, so the file never depends on what
-the machine that wrote it had installed.
+The adapter's keys are declared in a module that imports no SGLang
+(hicache_mp.integrations.sglang.settings, exported by the package), so the
+page is the same whatever the machine that wrote it had installed.
 """
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def engine_section() -> str:
 
 
 def adapter_section() -> str:
-    """The adapter's keys; ImportError when SGLang (which the adapter imports) is missing."""
+    """The adapter's keys (`AdapterConfig`, importable without SGLang)."""
     import importlib
     adapter = importlib.import_module(ADAPTER_MODULE)
     return ADAPTER_INTRO + "\n" + table(adapter.AdapterConfig)

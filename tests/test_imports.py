@@ -14,7 +14,7 @@ PACKAGES = ("shm", "workers", "hicache_mp")
 
 # Modules that need an optional dependency: without it, their import must
 # fail with the ImportError that says what to install (and nothing else).
-OPTIONAL = {"hicache_mp.integrations.sglang": "needs SGLang",
+OPTIONAL = {"hicache_mp.integrations.sglang.backend": "needs SGLang",
             "hicache_mp.integrations.vllm": "needs vLLM",
             "hicache_mp.integrations.vllm_import": "needs vLLM"}
 
@@ -25,6 +25,9 @@ LAZY = {
         "the benchmark baselines import torch; `import hicache_mp` does not, and loads no bench code",
     ("hicache_mp/__init__.py", "hicache_mp.bench.fast_file"):
         "the benchmark baselines import torch; `import hicache_mp` does not, and loads no bench code",
+    ("hicache_mp/integrations/sglang/__init__.py", "hicache_mp.integrations.sglang.backend"):
+        "the backend imports SGLang; the package's SGLang-free modules (store_import for the "
+        "CLI, settings for the flags reference) load without it",
     ("hicache_mp/bench/sim/bench.py", "hicache_mp.device"):
         "DeviceLoader imports torch: loaded only for a run with a device load",
 }

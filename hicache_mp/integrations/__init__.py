@@ -1,8 +1,9 @@
 """Integrations of hicache_mp with inference servers.
 
-`sglang`: `HiCacheMP`, an SGLang HiCache L3 storage backend (loaded by SGLang's
-`dynamic` backend factory). It imports SGLang; nothing else here does, so
-`import hicache_mp` never needs SGLang. `sglang_import` converts an SGLang
-`file` store (`hicache-mp import-sglang`) with the SGLang-free helpers
-`sglang_layouts` and `sglang_names`.
+`sglang/`: `HiCacheMP`, an SGLang HiCache L3 storage backend (loaded by
+SGLang's `dynamic` backend factory), and `hicache-mp import-sglang`'s store
+converter. `vllm`: `HiCacheMPTier`, a vLLM KV-offloading secondary tier.
+`common/`: what both adapters share (options, keys, slots, waits, stats,
+mapping). Only `sglang.backend` imports SGLang and only `vllm*` import vLLM,
+so `import hicache_mp` needs neither.
 """

@@ -50,6 +50,18 @@ def test_slots_lend_and_take_back():
         Slots(0)
 
 
+def test_slots_lent_to_a_block_go_back_however_it_ends():
+    s = Slots(3)
+    with s.lent(2) as slots:
+        assert slots == [0, 1] and s.available == 1
+    assert s.available == 3
+    with pytest.raises(RuntimeError, match="a copy failed"):
+        with s.lent(5) as slots:
+            assert slots == [2, 0, 1]
+            raise RuntimeError("a copy failed")
+    assert sorted(s.free) == [0, 1, 2]
+
+
 def test_keys_become_engine_keys():
     raw = b"\x00\x01/..\xff" + (7).to_bytes(4, "big")
     assert engine_key(raw) == raw.hex() and engine_key("abc") == "abc"

@@ -24,7 +24,7 @@ except ImportError as exc:  # noqa: F841
 from sglang_pool import CpuMHAHostPool  # noqa: E402
 
 from hicache_mp.integrations.sglang import HiCacheMP  # noqa: E402
-from hicache_mp.integrations.sglang_names import SGLangShard  # noqa: E402
+from hicache_mp.integrations.sglang.names import SGLangShard  # noqa: E402
 from shm.names import list_ours  # noqa: E402
 
 DYNAMIC = {"backend_name": "hicache_mp", "module_path": "hicache_mp.integrations.sglang",
@@ -284,7 +284,7 @@ def test_stats_clear_close(attach, store):
 
 def test_hicache_mp_never_imports_sglang():
     """The module imports SGLang only when imported itself: hicache_mp does not."""
-    code = ("import sys, hicache_mp, hicache_mp.integrations.sglang_import, hicache_mp.cli; "
+    code = ("import sys, hicache_mp, hicache_mp.integrations.sglang.store_import, hicache_mp.cli; "
             "print('sglang' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

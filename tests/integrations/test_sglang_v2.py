@@ -25,7 +25,7 @@ except ImportError as exc:  # noqa: F841
 from sglang_hybrid_pools import (CpuDSAIndexerHostPool, CpuMambaHostPool,  # noqa: E402
                                  CpuMHAHostPool, CpuMLAHostPool, fill_random_mha)
 
-from hicache_mp.integrations import sglang_sidecar  # noqa: E402
+from hicache_mp.integrations.sglang import sidecar_layouts  # noqa: E402
 from workers import naming  # noqa: E402
 
 DYNAMIC = {"backend_name": "hicache_mp", "module_path": "hicache_mp.integrations.sglang",
@@ -164,7 +164,7 @@ def test_batched_layout_matches_sglang_pages(kind):
             pool.fill_random(g)
         index = torch.tensor([5 * P, 0, 3 * P])
     try:
-        layout = sglang_sidecar.plan(pool)
+        layout = sidecar_layouts.plan(pool)
         assert layout.batched, layout.describe()
         out = torch.zeros(3, layout.page_bytes, dtype=torch.uint8)
         layout.gather(index, out)

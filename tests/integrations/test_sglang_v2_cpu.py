@@ -23,10 +23,10 @@ except Exception as exc:  # ImportError, or a broken module on the chain
 
 from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402
 
-from hicache_mp.integrations import sglang_sidecar  # noqa: E402
+from hicache_mp.integrations.sglang import sidecar_layouts  # noqa: E402
 from test_sglang_v2 import TRAIL, keys_for, make, mamba_t, page_bytes, tok_t  # noqa: E402,F401
 
-NO_ACCELERATOR = not sglang_sidecar._can_pin()
+NO_ACCELERATOR = not sidecar_layouts._can_pin()
 
 
 def pinned_like_a_server(pool):
@@ -64,7 +64,7 @@ def test_sglangs_own_dummy_page_fails_without_an_accelerator():
     pool = pinned_like_a_server(real.mamba_pool(S))
     with pytest.raises(RuntimeError, match="pin_memory"):
         pool.get_dummy_flat_data_page()
-    d = sglang_sidecar.dummy_flat_page(pool)
+    d = sidecar_layouts.dummy_flat_page(pool)
     assert d.numel() * d.element_size() == pool.size_per_token * pool.page_size
     assert pool.pin_memory is True   # the pool itself is left as it was
 

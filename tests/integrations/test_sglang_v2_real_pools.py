@@ -22,7 +22,7 @@ except Exception as exc:  # ImportError, or a broken module on the chain
 
 from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402
 
-from hicache_mp.integrations import sglang_sidecar  # noqa: E402
+from hicache_mp.integrations.sglang import sidecar_layouts  # noqa: E402
 from test_sglang_v2 import (assert_same_hits, make, page_bytes, queries, write_scenario,  # noqa: E402,F401
                             kv_t, mamba_t, tok_t, keys_for, TRAIL)
 
@@ -60,7 +60,7 @@ class RealStack:
 def test_batched_copies_are_sglangs_own_pages(build):
     pool = build()
     real.fill_random(pool, torch.Generator().manual_seed(3))
-    layout = sglang_sidecar.plan(pool)
+    layout = sidecar_layouts.plan(pool)
     assert layout.batched, layout.describe()
     P = pool.page_size
     index = torch.tensor([5, 0, 3]) * P

@@ -10,6 +10,7 @@ ValueError naming its key, before any engine starts. A key none of them reads
 is what `check_known` reports: SGLang's adapter warns (its dict is shared with
 SGLang), vLLM's refuses (the dict is the tier's alone). Must not start anything.
 """
+from ... import config
 from ...config import EngineConfig, sglang_keys, sglang_options
 
 
@@ -44,4 +45,6 @@ def engine_config(extra: dict, *, storage_dir: str, host_pool_pages: int, defaul
     options["storage_dir"] = storage_dir
     for key, value in (defaults or {}).items():
         options.setdefault(key, value)
-    return EngineConfig(host_pool_pages=host_pool_pages, **options, **fixed)
+    # config.EngineConfig at call time, as sglang_options reads it: a program
+    # that extends EngineConfig (a subclass put there) gets its settings here too
+    return config.EngineConfig(host_pool_pages=host_pool_pages, **options, **fixed)

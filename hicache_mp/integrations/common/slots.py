@@ -3,9 +3,11 @@
 One class for every adapter's staging path (SGLang's main staging engine, its
 sidecar pools' engines). A blocking `take` for callers that may wait (SGLang's
 storage threads), a `try_take` that never waits (a scheduler thread), `give`
-to return them. Must not know what the slots hold or call the engine.
+to return them, and `lent` for a block that gives them back however it ends.
+Must not know what the slots hold or call the engine.
 """
 import threading
+from contextlib import contextmanager
 
 
 class Slots:
@@ -38,6 +40,16 @@ class Slots:
             if self.keep_sorted:
                 self.free.sort()
             self.cond.notify_all()
+
+    @contextmanager
+    def lent(self, n: int):
+        """`take(n)` for the block; the slots go back when it ends, also by an
+        exception (a worker's op on them is over by then: the block waited)."""
+        slots = self.take(n)
+        try:
+            yield slots
+        finally:
+            self.give(slots)
 
     @property
     def available(self) -> int:

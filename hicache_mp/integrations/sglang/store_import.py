@@ -9,7 +9,7 @@ write page files itself (the workers do). Imports no SGLang: it reads SGLang's
 files, not its classes.
 
 Which files belong to which namespace follows SGLang's `HiCacheFile` suffix
-(`sglang_names`), so the pages land exactly where
+(`names`), so the pages land exactly where
 `HiCacheMP` (the SGLang backend) looks for them: same model name, TP ranks
 (one namespace for MLA), PP suffix.
 """
@@ -25,10 +25,10 @@ from shm import PageGeometry
 from workers import naming
 from workers import status as st
 
-from ..config import EngineConfig
-from ..engine import PrefetchEngine
-from .sglang_layouts import RAW_LAYOUTS, flat_page_view
-from .sglang_names import SGLangShard
+from ...config import EngineConfig
+from ...engine import PrefetchEngine
+from .layouts import RAW_LAYOUTS, flat_page_view
+from .names import SGLangShard
 
 BATCH_PAGES = 64
 EXAMPLES = 3

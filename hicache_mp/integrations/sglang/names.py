@@ -1,7 +1,7 @@
 """SGLang's shard naming, as hicache_mp namespaces. Imports neither SGLang nor torch.
 
-Owns the one rule shared by the SGLang backend (`integrations.sglang`) and the
-store importer (`sglang_import`): which SGLang ranks share pages and
+Owns the one rule shared by the SGLang backend (`backend`) and the
+store importer (`store_import`): which SGLang ranks share pages and
 which must never see each other's, following SGLang's `HiCacheFile` key
 suffix (0.5.23, `mem_cache/hicache_storage.py`):
 

@@ -3,10 +3,10 @@
 Owns what moves the pages of one registered sidecar pool (Mamba state, SWA
 window, DSA indexer, ...) between SGLang's host pool and its engine:
 `SidecarPool.start` submits a zero-copy batch without waiting (the caller,
-sglang_v2.HybridPools.io, waits once for every op of a batch), and
+hybrid.HybridPools.io, waits once for every op of a batch), and
 `read` / `write` move a staged batch through the engine's shared-memory
-staging slots with a few batched torch copies (`sglang_sidecar`). Must not
-decide hits (sglang_v2 does) or touch the KV pool's engine.
+staging slots with a few batched torch copies (`sidecar_layouts`). Must not
+decide hits (`hits` does) or touch the KV pool's engine.
 
 Everything here that runs per batch on SGLang's storage threads keeps the
 GIL (shm.gilkeep's rules): index conversions and status checks in chunks
@@ -15,92 +15,15 @@ path's torch copies are the exception: every torch op lets the GIL go.
 """
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import torch
 
 from shm import gilkeep
 from workers import status as st
 
-from ..engine import PrefetchEngine
-
-def _as_numpy(indices) -> np.ndarray:
-    """Host indices as a numpy array: on a CPU tensor (SGLang's host indices
-    are) one `.numpy()`, a view that releases no GIL; no `.cpu()` or `.to()`,
-    each of which would."""
-    if isinstance(indices, torch.Tensor):
-        if indices.device.type != "cpu":
-            indices = indices.cpu()
-        return indices.numpy()
-    return np.asarray(indices)
-
-
-def page_starts(idx: np.ndarray, n: int, P: int):
-    """(each page's first host index as int64, all on a page boundary), in
-    gilkeep's chunks (numpy lets the GIL go in casts and ufuncs over more
-    than 500 elements)."""
-    flat = idx.reshape(-1)
-    starts = gilkeep.zeros(n, np.int64)
-    gilkeep.assign(starts, flat if P == 1 else gilkeep.take(flat, gilkeep.iota(n * P)[::P]))
-    aligned = True
-    if P > 1:   # a reduction (.any()) lets the GIL go at any size: compare bytes
-        for a in range(0, n, gilkeep.CHUNK):
-            rem = starts[a:a + gilkeep.CHUNK] % P
-            aligned = aligned and rem.tobytes() == bytes(rem.nbytes)
-    return starts, aligned
-
-
-def page_index(starts: np.ndarray, P: int) -> np.ndarray:
-    """starts // P (page numbers), chunked."""
-    if P == 1:
-        return starts
-    pages = gilkeep.copy(starts)
-    for a in range(0, len(pages), gilkeep.CHUNK):
-        pages[a:a + gilkeep.CHUNK] //= P
-    return pages
-
-
-def _leading(n: int, total: int) -> list:
-    return [True] * n + [False] * (total - n)
-
-
-def _missing(ok: np.ndarray) -> np.ndarray:
-    """np.flatnonzero(~ok), chunked."""
-    parts = [np.flatnonzero(~ok[a:a + gilkeep.CHUNK]) + a
-             for a in range(0, len(ok), gilkeep.CHUNK)]
-    return gilkeep.concat(parts, np.int64) if len(parts) != 1 else parts[0].astype(np.int64)
-
-
-def _all_ok(status: np.ndarray) -> np.ndarray:
-    """status == OK per page, chunked."""
-    out = gilkeep.zeros(len(status), bool)
-    for a in range(0, len(status), gilkeep.CHUNK):
-        out[a:a + gilkeep.CHUNK] = status[a:a + gilkeep.CHUNK] == st.OK
-    return out
-
-
-class _Slots:
-    """Free staging slots of one sidecar engine."""
-
-    def __init__(self, n: int):
-        self.free = list(range(n))
-        self.cap = n
-        self.cond = threading.Condition()
-
-    def take(self, n: int) -> list[int]:
-        with self.cond:
-            while not self.free:
-                self.cond.wait()
-            n = min(n, len(self.free))
-            out, self.free = self.free[:n], self.free[n:]
-            return out
-
-    def give(self, slots) -> None:
-        with self.cond:
-            self.free.extend(slots)
-            self.free.sort()
-            self.cond.notify_all()
+from ...engine import PrefetchEngine
+from ..common import Slots, leading, wait_or_abandon
+from .indices import all_ok, missing
 
 
 class SidecarPool:
@@ -116,7 +39,7 @@ class SidecarPool:
         pages = engine.config.host_pool_pages
         self.staging = None if zero_copy else \
             engine.host_pool.tensor.view(torch.uint8).reshape(pages, layout.page_bytes)
-        self.slots = None if zero_copy else _Slots(pages)
+        self.slots = None if zero_copy else Slots(pages, keep_sorted=True)
 
     def key(self, key: str) -> str:
         return f"{key}.{self.name}"
@@ -139,18 +62,18 @@ class SidecarPool:
         eng, n = self.engine, len(keys)
         if not write:
             op = eng.prefetch([f"{k}.{self.name}" for k in keys], pages, policy="wait_complete")
-            return eng, op, lambda: _leading(op.completed_pages, n)
+            return eng, op, lambda: leading(op.completed_pages, n)
         # what the index knows is stored is not written again; no ask (a write
         # of a page another process wrote is the same bytes, an ask a sleep)
         ok = self.present(keys, ask=False)
         if 0 not in ok.tobytes():
             return eng, None, lambda: [True] * n
-        todo = _missing(ok)
+        todo = missing(ok)
         op = eng.backup([f"{keys[i]}.{self.name}" for i in todo.tolist()],
                         gilkeep.take(pages, todo))
 
         def answer():
-            gilkeep.set_at(ok, todo, _all_ok(op.page_status))
+            gilkeep.set_at(ok, todo, all_ok(op.page_status))
             return ok.tolist()
         return eng, op, answer
 
@@ -161,50 +84,44 @@ class SidecarPool:
         return torch.empty(len(slots), self.layout.page_bytes, dtype=torch.uint8), \
             torch.tensor(slots, dtype=torch.int64)
 
-    def read(self, keys, index: np.ndarray, wait) -> list[bool]:
+    def read(self, keys, index: np.ndarray, timeout_s: float | None) -> list[bool]:
         """Read pages into the host pool; only the leading run of landed pages counts.
-        `index`: each page's first host index (numpy int64)."""
+        `index`: each page's first host index (numpy int64); an op past
+        `timeout_s` is abandoned (common.waits)."""
         index = torch.from_numpy(index)
         done = 0
         while done < len(keys):
-            slots = self.slots.take(len(keys) - done)
-            n = len(slots)
-            try:
+            with self.slots.lent(len(keys) - done) as slots:
+                n = len(slots)
                 op = self.engine.prefetch([self.key(k) for k in keys[done:done + n]], slots,
                                           policy="wait_complete")
-                wait(self.engine, op)
+                wait_or_abandon(self.engine, op, timeout_s)
                 ok = int(op.completed_pages)
                 if ok:
                     src = self.staging[torch.tensor(slots[:ok], dtype=torch.int64)]
                     self.layout.scatter(index[done:done + ok], src)
-            finally:
-                self.slots.give(slots)
             done += ok
             if ok < n:
                 break
-        return _leading(done, len(keys))
+        return leading(done, len(keys))
 
-    def write(self, keys, index: np.ndarray, wait) -> list[bool]:
+    def write(self, keys, index: np.ndarray, timeout_s: float | None) -> list[bool]:
         """Write pages not yet stored; per key whether its page is in the store."""
         ok = self.present(keys, ask=False)
-        todo = _missing(ok)
+        todo = missing(ok)
         index = torch.from_numpy(index)
         pos = 0
         while pos < len(todo):
-            slots = self.slots.take(len(todo) - pos)
-            n = len(slots)
-            part = todo[pos:pos + n]
-            try:
+            with self.slots.lent(len(todo) - pos) as slots:
+                part = todo[pos:pos + len(slots)]
                 buf, rows = self._stage(slots)
                 self.layout.gather(index[torch.from_numpy(part)], buf)
                 if rows is not None:
                     self.staging.index_copy_(0, rows, buf)
                 op = self.engine.backup([self.key(keys[i]) for i in part], slots)
-                wait(self.engine, op)
+                wait_or_abandon(self.engine, op, timeout_s)
                 ok[part] = op.page_status == st.OK
-            finally:
-                self.slots.give(slots)
-            pos += n
+            pos += len(part)
         return ok.tolist()
 
     def close(self) -> None:

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .pools import buffer_address
+
 
 @dataclass(frozen=True)
 class Component:
@@ -229,14 +231,6 @@ def plan(host_pool):
                      f"get_data_page/set_from_flat_data_page)")
 
 
-def _mapping_address(mm) -> int | None:
-    try:
-        import numpy as np
-        return int(np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data)
-    except Exception:
-        return None
-
-
 # iovecs one page may take: preadv/pwritev take IOV_MAX (1024) with the page
 # file's header and overflow guard; a layout needing more is staged.
 MAX_PARTS = 512
@@ -265,7 +259,7 @@ def zero_copy_parts(host_pool, layout) -> tuple[list | None, int, str]:
     fds, mms = list(getattr(alloc, "fds", None) or []), list(getattr(alloc, "mms", None) or [])
     by_base = {}
     for fd, mm in zip(fds, mms):
-        base = _mapping_address(mm)
+        base = buffer_address(mm)
         if base is not None and fd is not None:
             by_base[base] = fd
     parts, pages = [], None
