@@ -22,6 +22,7 @@ os.readv/os.write fallback), each fs row at every thread count of
 with the limited API of Python 3.11, so the .so also loads on 3.12.
 
     python scripts/bench_vllm_tier.py --quick                      # CPU smoke run
+    python scripts/bench_vllm_tier.py --calls --rows 1024 --job-rows 32   # µs per call
     python scripts/bench_vllm_tier.py --rows 2048 --store /nvme/b --json out.json \
         --fs-helper build/fs_io_C.abi3.so --fs-threads 4,16,32,64
 """
@@ -104,6 +105,9 @@ def parse_args(argv=None):
     p.add_argument("--lookup-keys", type=int, default=2000)
     p.add_argument("--phase-timeout-s", type=float, default=120.0)
     p.add_argument("--quick", action="store_true", help="small sizes: a CPU smoke run")
+    p.add_argument("--calls", action="store_true", help="only the per-call costs on the "
+                   "scheduler's thread (µs per call, GIL releases), each tier at its largest "
+                   "thread count")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     if args.quick:
@@ -186,24 +190,45 @@ def spin(seconds: float, book: dict) -> int:
     return n
 
 
-def steps(tier, busy: bool, until, timeout_s: float, on_result=None, before=None):
-    """Run scheduler steps until `until()`; (wall seconds, loop iterations, capped)."""
+class Clock:
+    """Seconds the scheduler's thread spent inside the tier's calls, and spinning."""
+
+    def __init__(self):
+        self.calls_s, self.spin_s, self.calls = 0.0, 0.0, 0
+
+    def call(self, fn, *args):
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.calls_s += time.perf_counter() - t
+            self.calls += 1
+
+
+def steps(tier, busy: bool, until, timeout_s: float, on_result=None, before=None,
+          clock: Clock | None = None):
+    """Run scheduler steps until `until()`; (wall seconds, loop iterations, capped).
+    Every tier gets the same step: its work, then one get_finished_jobs and one
+    on_schedule_end; `clock` sums the time inside those calls and the spinning."""
     from vllm.v1.kv_offload.base import ScheduleEndContext
     step_ctx = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+    clock = clock if clock is not None else Clock()
     book, iters = {}, 0
     t0 = time.perf_counter()
     while True:
         # A step: the scheduler's own work first (spin or sleep), then the tier's calls.
         if busy:
+            t = time.perf_counter()
             iters += spin(STEP_SPIN_S, book)
+            clock.spin_s += time.perf_counter() - t
         else:
             time.sleep(IDLE_SLEEP_S)
         if before is not None:
             before()
-        for result in tier.get_finished_jobs():
+        for result in clock.call(tier.get_finished_jobs):
             if on_result is not None:
                 on_result(result)
-        tier.on_schedule_end(step_ctx)
+        clock.call(tier.on_schedule_end, step_ctx)
         if until():
             return time.perf_counter() - t0, iters, False
         if time.perf_counter() - t0 > timeout_s:
@@ -238,16 +263,24 @@ def move(tier, rig, args, keys, src, dst, busy: bool, load: bool, first_id: int)
                 good = set(r.successful_keys)
                 ok_rows.extend(i for i in range(lo, hi) if keys[i] in good)
 
+    submit = tier.submit_load if load else tier.submit_store
+    tjs = [TransferJob(job_id=job_id, keys=keys[lo:hi], chunk_ids=np.asarray(rows[lo:hi]),
+                       is_promotion=load, req_context=ctx) for job_id, (lo, hi) in jobs.items()]
+    clock = Clock()
     t0 = time.perf_counter()
-    for job_id, (lo, hi) in jobs.items():
-        tj = TransferJob(job_id=job_id, keys=keys[lo:hi], chunk_ids=np.asarray(rows[lo:hi]),
-                         is_promotion=load, req_context=ctx)
-        (tier.submit_load if load else tier.submit_store)(tj)
+    for tj in tjs:
+        clock.call(submit, tj)
+    submit_s = clock.calls_s
     wall, iters, capped = steps(tier, busy, lambda: len(done) == len(jobs),
-                                args.phase_timeout_s, on_result)
+                                args.phase_timeout_s, on_result, clock=clock)
     wall = max(wall, time.perf_counter() - t0)
+    # Where the scheduler thread's phase went: inside the tier's calls (submits
+    # included), spinning, and the spin's own rate (iterations per spinning second).
     out = {"gbps": len(ok_rows) * args.row_bytes / wall / 1e9, "seconds": wall,
-           "rows_ok": len(ok_rows), "loop_iters": iters, "capped": capped}
+           "rows_ok": len(ok_rows), "loop_iters": iters, "capped": capped,
+           "tier_calls_s": clock.calls_s, "submit_s": submit_s, "tier_calls": clock.calls,
+           "call_share": clock.calls_s / wall, "spin_s": clock.spin_s,
+           "spin_rate": iters / clock.spin_s if clock.spin_s else 0.0}
     if load:
         ok = np.asarray(sorted(ok_rows), dtype=np.int64)
         got, want = rig.view[np.asarray(dst)[ok]], rig.view[np.asarray(src)[ok]]
@@ -275,12 +308,19 @@ def tier_row(rig, args, kind, label, store, *, threads, direct, busy, run_id, ba
             row["threads"] = tier.engine.worker_count()
         row["store"] = move(tier, rig, args, keys, src, dst, busy, False, 1)
         rig.view[n:2 * n] = 0
-        if busy:  # the loop's rate with no I/O, just before: the machine's load drifts
-            row["loop_rate_no_io"] = baseline_rate(baseline_s)
+        if busy:  # the loop's rate with no I/O, just before and after: the machine drifts
+            before = baseline_rate(baseline_s)
         row["load"] = move(tier, rig, args, keys, src, dst, busy, True, 1 << 20)
         if busy:
-            row["loop_ratio"] = row["load"]["loop_iters"] / row["load"]["seconds"] / \
-                row["loop_rate_no_io"]
+            after = baseline_rate(baseline_s)
+            row["loop_rate_no_io"] = rate = (before + after) / 2
+            row["loop_rate_no_io_before_after"] = [before, after]
+            ld = row["load"]
+            row["loop_ratio"] = ld["loop_iters"] / ld["seconds"] / rate
+            # loop_ratio = spin_ratio x spin share of the phase: the tier's calls
+            # take the rest of the thread, a slower spin is the machine (cores,
+            # memory) or the GIL given to another thread of this process
+            row["spin_ratio"] = ld["spin_rate"] / rate
     finally:
         tier.drain_jobs()
         tier.shutdown()
@@ -324,6 +364,99 @@ def lookup_row(args, kind, label, store, busy: bool, threads: int):
         shutil.rmtree(store, ignore_errors=True)
 
 
+def per_call_us(fn, n: int) -> float:
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def calls_row(args, kind, label, store, threads: int):
+    """µs per scheduler-thread call, idle scheduler (the tier's own cost, not the
+    loop's): get_finished_jobs with nothing in flight, submit per job, the
+    get_finished_jobs calls that found nothing while jobs were in flight, those
+    that returned jobs (per job), a lookup that hits; and, for each, the C calls
+    that let the GIL go (scripts/giltrace.py released_in; None: not traced)."""
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+    try:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from giltrace import released_in
+    except ImportError:
+        released_in = None
+    n, per = args.rows, args.job_rows
+    rig = Rig(args.row_bytes, 2 * n)
+    tier = rig.tier(kind, store, threads=threads, workers=args.workers)
+    keys = [make_offload_key((9 << 40 | i).to_bytes(8, "big"), 0) for i in range(n)]
+    ctx = ReqContext(req_id="c")
+    out = {"tier": label, "threads": threads, "job_rows": per, "jobs": -(-n // per)}
+    gil = {}
+
+    def traced(name, fn):
+        if released_in is None:
+            return fn()
+        res, found = released_in(fn)
+        gil[name] = sorted({f"{site} {what}" for site, what in found})
+        return res
+
+    def phase(load: bool, base: int, trace: bool):
+        """Submit a phase's jobs, poll until all report: (µs per submit, median µs of
+        the polls that found nothing, µs per job reported). Traced: GIL only."""
+        tjs = [TransferJob(job_id=base + j, keys=keys[j:j + per],
+                           chunk_ids=np.arange(j, min(j + per, n)) + (n if load else 0),
+                           is_promotion=load, req_context=ctx) for j in range(0, n, per)]
+        submit = tier.submit_load if load else tier.submit_store
+        t = time.perf_counter()
+        if trace:
+            traced("submit_load" if load else "submit_store", lambda: [submit(tj) for tj in tjs])
+        else:
+            for tj in tjs:
+                submit(tj)
+        sub = (time.perf_counter() - t) / len(tjs) * 1e6
+        empty, full, got = [], 0.0, 0
+        deadline = time.monotonic() + args.phase_timeout_s
+        while got < len(tjs) and time.monotonic() < deadline:
+            time.sleep(IDLE_SLEEP_S)
+            t = time.perf_counter()
+            res = list(tier.get_finished_jobs())
+            dt = time.perf_counter() - t
+            if res:
+                full, got = full + dt, got + len(res)
+            else:
+                empty.append(dt)
+        if trace:  # a poll that finds jobs done (the next phase's first jobs)
+            return None
+        return sub, (float(np.median(empty)) * 1e6 if empty else None), \
+            (full / got * 1e6 if got else None)
+
+    try:
+        out["finished_idle_us"] = per_call_us(tier.get_finished_jobs, 20000)
+        (out["submit_store_us_per_job"], out["finished_none_in_flight_us"],
+         out["finished_us_per_job_store"]) = phase(False, 0, False)
+        out["submit_load_us_per_job"], _, out["finished_us_per_job_load"] = \
+            phase(True, 1 << 20, False)
+        out["lookup_hit_us"] = per_call_us(lambda: tier.lookup(keys[0], ctx), 20000)
+        if released_in is not None:  # apart: tracing costs far more than the calls
+            traced("get_finished_jobs idle", tier.get_finished_jobs)
+            phase(False, 2 << 20, True)
+            phase(True, 3 << 20, True)
+            traced("lookup", lambda: [tier.lookup(k, ctx) for k in keys])
+            tjs = [TransferJob(job_id=(4 << 20) + j, keys=keys[j:j + per],
+                               chunk_ids=np.arange(j, min(j + per, n)) + n, is_promotion=True,
+                               req_context=ctx) for j in range(0, n, per)]
+            for tj in tjs:
+                tier.submit_load(tj)
+            time.sleep(0.5)
+            traced("get_finished_jobs with jobs done", tier.get_finished_jobs)
+        out["gil_released_in"] = gil if released_in is not None else None
+    finally:
+        tier.drain_jobs()
+        tier.shutdown()
+        rig.close()
+        shutil.rmtree(store, ignore_errors=True)
+    return out
+
+
 # --- report ------------------------------------------------------------------------------
 def best(rows, tier_prefix, mode, io, what):
     vals = [(r[what]["gbps"], r["threads"]) for r in rows if r["tier"].startswith(tier_prefix)
@@ -332,9 +465,11 @@ def best(rows, tier_prefix, mode, io, what):
 
 
 def report(rows, looks, rate0, helper):
-    print(f"\nbusy loop with no I/O: {rate0 / 1e6:.2f} M iterations/s")
+    print(f"\nbusy loop with no I/O: {rate0 / 1e6:.2f} M iterations/s; per load phase: loop = "
+          f"the loop's rate / no I/O, calls = share of the phase inside the tier's calls "
+          f"(submits included), spin = spinning rate / no I/O (loop ~ spin x (1 - calls))")
     print(f"{'tier':<22}{'thr':>5}{'mode':>6}{'io':>6}{'store GB/s':>12}{'load GB/s':>11}"
-          f"{'loop':>7}{'verified':>12}{'wrong':>7}")
+          f"{'loop':>7}{'calls':>7}{'spin':>6}{'verified':>12}{'wrong':>7}")
     for r in rows:
         if "error" in r:
             print(f"{r['tier']:<22}{r['threads']:>5}{r['mode']:>6}{r['io']:>6}  n/a: {r['error']}")
@@ -342,9 +477,10 @@ def report(rows, looks, rate0, helper):
         s, ld = r["store"], r["load"]
         cap = "*" if s["capped"] or ld["capped"] else ""
         loop = f"{r['loop_ratio']:.2f}" if "loop_ratio" in r else "-"
+        spin = f"{r['spin_ratio']:.2f}" if "spin_ratio" in r else "-"
         print(f"{r['tier']:<22}{r['threads']:>5}{r['mode']:>6}{r['io']:>6}{s['gbps']:>12.2f}"
-              f"{ld['gbps']:>10.2f}{cap:1}{loop:>7}{ld['bytes_verified']:>12}"
-              f"{ld['wrong_bytes']:>7}")
+              f"{ld['gbps']:>10.2f}{cap:1}{loop:>7}{ld['call_share']:>7.1%}{spin:>6}"
+              f"{ld['bytes_verified']:>12}{ld['wrong_bytes']:>7}")
     ratios = {}
     for mode in ("idle", "busy"):
         for io in ("warm", "cold"):
@@ -388,6 +524,22 @@ def main(argv=None) -> int:
         plan.append(("fs", f"fs C({helper.split(':')[0]})", True, args.fs_threads))
     plan.append(("fs", "fs Python", False, args.fs_py_threads))
     rows, looks, run = [], [], 0
+    if args.calls:
+        rig.close()
+        out = []
+        for kind, label, c_on, counts in plan:
+            if c_on is not None:
+                set_fs_c(c_on)
+            run += 1
+            out.append(calls_row(args, kind, label, os.path.join(root, f"calls{run}"),
+                                 max(counts)))
+            print(json.dumps(out[-1]), flush=True)
+        if args.store is None:
+            shutil.rmtree(root, ignore_errors=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "fs_helper": helper, "calls": out}, f, indent=1)
+        return 0
     try:
         for io in args.io.split(","):
             for mode in args.modes.split(","):
