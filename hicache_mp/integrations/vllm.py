@@ -56,6 +56,9 @@ from .vllm_lookup import Lookups
 log = logging.getLogger("hicache_mp.vllm")
 
 _VERDICT = {"hit": LookupResult.HIT, "miss": LookupResult.MISS, "retry": LookupResult.RETRY}
+# A plain int: numpy compares against an IntEnum member through the enum's
+# metaclass attribute lookups (microseconds per call on Python 3.11).
+_OK = int(st.OK)
 
 
 @dataclass
@@ -219,8 +222,9 @@ class HiCacheMPTier(SecondaryTierManager):
             self.engine.poll()  # also lands the probe answers lookups wait for
         if not self._jobs:
             return out
-        for job_id in [j for j, job in self._jobs.items() if job.op.done]:
-            job = self._jobs.pop(job_id)
+        done = [job for job in self._jobs.values() if job.op.done]
+        for job in done:
+            del self._jobs[job.job_id]
             gilkeep.set_at(self._busy, job.op.host_pages, False)
             out.append(self._result(job))
         return out
@@ -234,10 +238,15 @@ class HiCacheMPTier(SecondaryTierManager):
 
     def _result(self, job: _Job) -> JobResult:
         n = len(job.keys)
+        op = job.op
+        if op is not None and op.status == "ok" and (job.pos is None or job.done_ok is not None):
+            # every page of the op landed, and the job's others (a store's) were ok at submit
+            seconds = (op.done_ns - op.submit_ns) / 1e9 if op.done_ns else None
+            return self._success(job, seconds, op.num_pages * self.row_bytes or None)
         ok = gilkeep.zeros(n, bool) if job.done_ok is None else gilkeep.copy(job.done_ok)
-        op, seconds, moved = job.op, None, 0
+        seconds, moved = None, 0
         if op is not None:
-            landed = _equal(op.page_status, st.OK)
+            landed = _equal(op.page_status, _OK)
             if job.pos is None:
                 gilkeep.put_bytes(ok, landed)
             else:
@@ -246,16 +255,19 @@ class HiCacheMPTier(SecondaryTierManager):
             seconds = (op.done_ns - op.submit_ns) / 1e9 if op.done_ns else None
         nbytes = moved * self.row_bytes or None
         if gilkeep.all_(ok):
-            if not job.load and self.events is not None and job.keys:
-                self.events.append(OffloadingEvent(keys=job.keys, medium=self.medium,
-                                                   removed=False, locality=self.locality))
-            return JobResult(job_id=job.job_id, success=True, transfer_time=seconds,
-                             transfer_bytes=nbytes)
+            return self._success(job, seconds, nbytes)
         good = None
         if job.load and gilkeep.any_(ok):  # vLLM keeps the rows that landed
             good = tuple(job.keys[i] for i in _where(ok, True).tolist())
         return JobResult(job_id=job.job_id, success=False, successful_keys=good,
                          transfer_time=seconds, transfer_bytes=nbytes)
+
+    def _success(self, job: _Job, seconds, nbytes) -> JobResult:
+        if not job.load and self.events is not None and job.keys:
+            self.events.append(OffloadingEvent(keys=job.keys, medium=self.medium,
+                                               removed=False, locality=self.locality))
+        return JobResult(job_id=job.job_id, success=True, transfer_time=seconds,
+                         transfer_bytes=nbytes)
 
     def take_events(self):
         if self.events:
