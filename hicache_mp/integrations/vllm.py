@@ -18,11 +18,16 @@ and out of its rows: zero copy, no staging pool, no page byte in this process.
 One engine page is one row (a flat uint8 geometry of row_bytes).
 
 vLLM calls every method on its scheduler thread, under its manager lock, and
-none may block: submit_store/submit_load hand records to the engine's rings
-and return (engine.backup / engine.prefetch), get_finished_jobs polls the
-engine (engine.poll: counter loads and small numpy drains) and answers for the
-jobs whose op is done; lookup answers from the engine's in-memory index
-(vllm_lookup). Only drain_jobs and shutdown wait, as vLLM's contract says.
+none may block: submit_store/submit_load check a job and queue it; at the
+step's end (on_schedule_end, which vLLM calls right after submitting the
+step's promotions and cascades; also get_finished_jobs, drain_jobs, shutdown)
+the step's loads go to the engine as one op and its stores as another
+(engine.prefetch / engine.backup: one wake-up per worker and bulk drains per
+step, not per job). get_finished_jobs polls the engine (engine.poll: counter
+loads and numpy drains) and answers for the jobs of every op that is done,
+together: a row is never reported while the engine still holds it. lookup
+answers from the engine's in-memory index (vllm_lookup). Only drain_jobs and
+shutdown wait, as vLLM's contract says.
 
 Capacity (storage_max_bytes, storage_min_free_bytes: LRU eviction by a
 separate process), several directories (storage_dir as a comma-separated
@@ -56,6 +61,10 @@ from .vllm_lookup import Lookups
 log = logging.getLogger("hicache_mp.vllm")
 
 _VERDICT = {"hit": LookupResult.HIT, "miss": LookupResult.MISS, "retry": LookupResult.RETRY}
+# A step's jobs of one kind go to the engine as ops of at most this many pages:
+# the engine's calls keep the GIL on ops of up to a few hundred pages
+# (decision 74's limits), and SGLang's batches, which it is tuned for, are 128.
+STEP_OP_PAGES = 256
 # A plain int: numpy compares against an IntEnum member through the enum's
 # metaclass attribute lookups (microseconds per call on Python 3.11).
 _OK = int(st.OK)
@@ -92,8 +101,12 @@ class _Job:
     load: bool
     keys: list                # vLLM's keys, in the job's order
     op: object = None         # the engine op (None: nothing to move)
-    pos: np.ndarray = None    # the job positions the op's pages are (None: all, in order)
+    pos: np.ndarray = None    # the job positions its pages of the op are (None: all, in order)
     done_ok: np.ndarray = None  # per job position: settled ok without the op (stores)
+    lo: int = 0               # the op's pages [lo, hi) are this job's (one op per step)
+    hi: int = 0
+    ekeys: list = None        # until the step's op starts: what it moves
+    rows: np.ndarray = None
 
 
 class HiCacheMPTier(SecondaryTierManager):
@@ -142,7 +155,11 @@ class HiCacheMPTier(SecondaryTierManager):
             os.close(fd)  # the engine keeps its own dup
         self.region = region
         self._lookups = Lookups(self.engine)
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: dict[int, _Job] = {}      # submitted, not yet reported
+        # This step's jobs, one op per kind at the step's end (_flush); then the
+        # ops in flight with their jobs, reported together once the op is done.
+        self._step: dict[bool, list[_Job]] = {True: [], False: []}
+        self._ops: list[tuple[object, list[_Job]]] = []
         self._finished: list[JobResult] = []   # jobs settled at submit (nothing to move)
         self._busy = gilkeep.zeros(self.num_chunks, bool)  # rows an op in flight names
         self._warned: set = set()
@@ -158,6 +175,7 @@ class HiCacheMPTier(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def on_schedule_end(self, context) -> None:
+        self._flush()
         self._lookups.flush()
 
     def has_pending_work(self) -> bool:
@@ -196,37 +214,88 @@ class HiCacheMPTier(SecondaryTierManager):
         return keys, engine_keys(keys), np.array(ids, dtype=np.int64)
 
     def _start(self, job: _Job, ekeys, rows, pos) -> None:
+        """Queue the job for this step's op (vLLM submits a step's jobs, then calls
+        on_schedule_end): one op per step and kind costs one wake-up per worker
+        and drains in bulk, where an op per job costs both per job."""
         if pos is not None:
             ekeys, rows = [ekeys[i] for i in pos.tolist()], gilkeep.take(rows, pos)
-        job.pos = pos
-        try:
-            job.op = (self.engine.prefetch(ekeys, rows, policy="best_effort") if job.load
-                      else self.engine.backup(ekeys, rows))
-        except (EngineClosed, ValueError, RuntimeError) as exc:
-            # A closed or broken engine, or rows an op in flight still holds: the
-            # job fails cleanly; vLLM recomputes (load) or keeps the chunk (store).
-            self._warn(type(exc).__name__, f"hicache_mp vLLM tier: job {job.job_id} failed: "
-                                           f"{exc}")
-            job.op = None
+        job.pos, job.ekeys, job.rows = pos, ekeys, rows
+        if not len(rows):  # every row busy: nothing to move
             self._settle(job)
             return
-        if job.op.done:  # every page settled at once (dropped, busy rings)
-            self._settle(job)
-            return
-        gilkeep.set_at(self._busy, rows, True)
+        gilkeep.set_at(self._busy, rows, True)  # a later job of the step leaves them alone
         self._jobs[job.job_id] = job
+        self._step[job.load].append(job)
+
+    def _flush(self) -> None:
+        """Start this step's ops: each kind's jobs in submit order, as ops of up
+        to STEP_OP_PAGES pages (a larger job is an op of its own)."""
+        for load in (True, False):
+            jobs, self._step[load] = self._step[load], []
+            group, pages = [], 0
+            for job in jobs + [None]:
+                if job is not None and pages + len(job.ekeys) <= STEP_OP_PAGES:
+                    group.append(job)
+                    pages += len(job.ekeys)
+                    continue
+                if group:
+                    self._start_group(group)
+                group, pages = ([job], len(job.ekeys)) if job is not None else ([], 0)
+
+    def _start_group(self, jobs: list) -> None:
+        if len(jobs) > 1:
+            lo = 0
+            for job in jobs:
+                job.lo, job.hi = lo, lo + len(job.ekeys)
+                lo = job.hi
+            ekeys = [k for job in jobs for k in job.ekeys]
+            rows = gilkeep.concat([job.rows for job in jobs], np.int64)
+            if self._run(jobs, ekeys, rows, alone_on_error=True):
+                return
+        for job in jobs:  # one job, or a step's op the engine refused
+            job.lo, job.hi = 0, len(job.ekeys)
+            self._run([job], job.ekeys, job.rows)
+
+    def _run(self, jobs: list, ekeys, rows, alone_on_error: bool = False) -> bool:
+        """One engine op for `jobs`; False if it was refused and `alone_on_error`
+        (each job then runs on its own, so one job's bad rows fail only that job)."""
+        try:
+            op = (self.engine.prefetch(ekeys, rows, policy="best_effort") if jobs[0].load
+                  else self.engine.backup(ekeys, rows))
+        except (EngineClosed, ValueError, RuntimeError) as exc:
+            if alone_on_error and isinstance(exc, ValueError):
+                return False
+            # A closed or broken engine, or rows an op in flight still holds: the
+            # jobs fail cleanly; vLLM recomputes (load) or keeps the chunk (store).
+            self._warn(type(exc).__name__, f"hicache_mp vLLM tier: job(s) "
+                                           f"{[j.job_id for j in jobs][:8]} failed: {exc}")
+            op = None
+        for job in jobs:
+            job.op, job.ekeys, job.rows = op, None, None
+        if op is None or op.done:  # failed, or every page settled at once (dropped, busy)
+            gilkeep.set_at(self._busy, rows, False)
+            for job in jobs:
+                del self._jobs[job.job_id]
+                self._settle(job)
+        else:
+            self._ops.append((op, jobs))
+        return True
 
     def get_finished_jobs(self):
+        self._flush()  # jobs submitted since the step's end (vLLM's eviction path polls too)
         out, self._finished = self._finished, []
         if not self.engine.closed:
             self.engine.poll()  # also lands the probe answers lookups wait for
-        if not self._jobs:
+        if not self._ops:
             return out
-        done = [job for job in self._jobs.values() if job.op.done]
-        for job in done:
-            del self._jobs[job.job_id]
-            gilkeep.set_at(self._busy, job.op.host_pages, False)
-            out.append(self._result(job))
+        done = [entry for entry in self._ops if entry[0].done]
+        if done:
+            self._ops = [entry for entry in self._ops if not entry[0].done]
+            for op, jobs in done:
+                gilkeep.set_at(self._busy, op.host_pages, False)
+                for job in jobs:
+                    del self._jobs[job.job_id]
+                    out.append(self._result(job))
         return out
 
     def _keep(self, results) -> None:
@@ -242,11 +311,11 @@ class HiCacheMPTier(SecondaryTierManager):
         if op is not None and op.status == "ok" and (job.pos is None or job.done_ok is not None):
             # every page of the op landed, and the job's others (a store's) were ok at submit
             seconds = (op.done_ns - op.submit_ns) / 1e9 if op.done_ns else None
-            return self._success(job, seconds, op.num_pages * self.row_bytes or None)
+            return self._success(job, seconds, (job.hi - job.lo) * self.row_bytes or None)
         ok = gilkeep.zeros(n, bool) if job.done_ok is None else gilkeep.copy(job.done_ok)
         seconds, moved = None, 0
         if op is not None:
-            landed = _equal(op.page_status, _OK)
+            landed = _equal(op.page_status[job.lo:job.hi], _OK)
             if job.pos is None:
                 gilkeep.put_bytes(ok, landed)
             else:
@@ -279,15 +348,17 @@ class HiCacheMPTier(SecondaryTierManager):
         """Wait until every job is done (vLLM then reuses the rows); results stay
         for the next get_finished_jobs()."""
         timeout = None if math.isinf(self.own.drain_timeout_s) else self.own.drain_timeout_s
-        for job in list(self._jobs.values()):
+        self._flush()
+        for op, _ in list(self._ops):
             if self.engine.closed:
                 break
-            wait_or_abandon(self.engine, job.op, timeout)
+            wait_or_abandon(self.engine, op, timeout)
         self._keep(self.get_finished_jobs())
 
     def shutdown(self) -> None:
         """Let stores in flight finish (bounded), cancel loads, stop the workers
         and release every segment. vLLM's CPU-tier file is left to vLLM."""
+        self._flush()  # this step's stores are flushed as the ones in flight
         self.engine.close(flush=True)
         self._keep(self.get_finished_jobs())
 

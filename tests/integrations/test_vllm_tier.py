@@ -162,6 +162,37 @@ def test_misses(store):
         del view
 
 
+def test_one_steps_jobs_answer_each_for_itself(store):
+    """A step's jobs go to the engine together; each job's answer is its own:
+    a miss in one load fails only that one (its landed keys kept), stores of
+    rows the step already writes are settled without a second write."""
+    with tiering([ours(store)], rows=32) as (_, manager):
+        tier = manager.secondary_tiers[0]
+        view = rows_of(tier)
+        keys = [key(700 + i) for i in range(9)]
+        data = fill(view, range(9), seed=8)
+        tier.submit_store(job(1, keys[:5], range(5), load=False))
+        tier.submit_store(job(2, keys[5:], range(5, 9), load=False))
+        tier.submit_store(job(3, keys[3:5], [3, 4], load=False))  # rows job 1 writes
+        tier.on_schedule_end(STEP)
+        got = finish(tier, [1, 2, 3])
+        assert all(got[i].success for i in (1, 2, 3))
+        assert tier.engine.metrics()["write_pages_ok"] == 9
+        view[16:32] = 0
+        absent = key(799)
+        tier.submit_load(job(4, keys[:3], range(16, 19), load=True))
+        tier.submit_load(job(5, [keys[3], absent, keys[4]], range(19, 22), load=True))
+        tier.submit_load(job(6, keys[5:], range(22, 26), load=True))
+        tier.on_schedule_end(STEP)
+        got = finish(tier, [4, 5, 6])
+        assert got[4].success and got[6].success
+        assert not got[5].success and got[5].successful_keys == (keys[3], keys[4])
+        assert got[4].transfer_bytes == 3 * ROW and got[5].transfer_bytes == 2 * ROW
+        assert np.array_equal(view[16:19], data[:3]) and np.array_equal(view[22:26], data[5:])
+        assert np.array_equal(view[[19, 21]], data[3:5]) and not view[20].any()
+        del view
+
+
 def test_store_stays_under_storage_max_bytes(store):
     limit = 12 * (4096 + ROW)
     with tiering([ours(store, storage_max_bytes=limit, eviction_interval_s=0.1)],
