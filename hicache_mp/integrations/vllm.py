@@ -57,6 +57,7 @@ from .common import RegionNotShared, check_known, engine_config, engine_key, eng
 from .vllm_import import JobResult, Locality, LookupResult, Medium, OffloadingEvent, \
     RequestOffloadingContext, SecondaryTierManager, TransferJob
 from .vllm_lookup import Lookups
+from .vllm_masks import either, equal, where
 
 log = logging.getLogger("hicache_mp.vllm")
 
@@ -188,12 +189,12 @@ class HiCacheMPTier(SecondaryTierManager):
             return
         # Rows already in the store, or named by a store in flight (vLLM may cascade
         # one chunk twice), need no write: settled ok here.
-        skip = _either(self.engine.present(ekeys), gilkeep.take(self._busy, rows))
+        skip = either(self.engine.present(ekeys), gilkeep.take(self._busy, rows))
         job = _Job(job_metadata.job_id, False, keys, done_ok=skip)
         if gilkeep.all_(skip):
             self._settle(job)
             return
-        self._start(job, ekeys, rows, _where(skip, False) if gilkeep.any_(skip) else None)
+        self._start(job, ekeys, rows, where(skip, False) if gilkeep.any_(skip) else None)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys, ekeys, rows = self._job_input(job_metadata)
@@ -201,7 +202,7 @@ class HiCacheMPTier(SecondaryTierManager):
             return
         busy = gilkeep.take(self._busy, rows)  # never expected: a promotion gets fresh rows
         job = _Job(job_metadata.job_id, True, keys)
-        self._start(job, ekeys, rows, _where(busy, False) if gilkeep.any_(busy) else None)
+        self._start(job, ekeys, rows, where(busy, False) if gilkeep.any_(busy) else None)
 
     def _job_input(self, job: TransferJob):
         keys = list(job.keys)
@@ -315,7 +316,7 @@ class HiCacheMPTier(SecondaryTierManager):
         ok = gilkeep.zeros(n, bool) if job.done_ok is None else gilkeep.copy(job.done_ok)
         seconds, moved = None, 0
         if op is not None:
-            landed = _equal(op.page_status[job.lo:job.hi], _OK)
+            landed = equal(op.page_status[job.lo:job.hi], _OK)
             if job.pos is None:
                 gilkeep.put_bytes(ok, landed)
             else:
@@ -327,7 +328,7 @@ class HiCacheMPTier(SecondaryTierManager):
             return self._success(job, seconds, nbytes)
         good = None
         if job.load and gilkeep.any_(ok):  # vLLM keeps the rows that landed
-            good = tuple(job.keys[i] for i in _where(ok, True).tolist())
+            good = tuple(job.keys[i] for i in where(ok, True).tolist())
         return JobResult(job_id=job.job_id, success=False, successful_keys=good,
                          transfer_time=seconds, transfer_bytes=nbytes)
 
@@ -372,29 +373,6 @@ class HiCacheMPTier(SecondaryTierManager):
         if cause not in self._warned:
             self._warned.add(cause)
             log.warning(msg + " (later ones with this cause are not logged)")
-
-
-# Mask steps on the scheduler's thread keep the GIL (shm.gilkeep: numpy's loops over
-# more than 500 elements let it go): in chunks of gilkeep.CHUNK.
-def _either(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    out = gilkeep.zeros(len(a), bool)
-    for i in range(0, len(a), gilkeep.CHUNK):
-        np.logical_or(a[i:i + gilkeep.CHUNK], b[i:i + gilkeep.CHUNK], out=out[i:i + gilkeep.CHUNK])
-    return out
-
-
-def _equal(a: np.ndarray, value) -> np.ndarray:
-    out = gilkeep.zeros(len(a), bool)
-    for i in range(0, len(a), gilkeep.CHUNK):
-        np.equal(a[i:i + gilkeep.CHUNK], value, out=out[i:i + gilkeep.CHUNK])
-    return out
-
-
-def _where(mask: np.ndarray, value: bool) -> np.ndarray:
-    """Positions where `mask` is `value`, as int64."""
-    parts = [np.flatnonzero(mask[i:i + gilkeep.CHUNK] == value) + i
-             for i in range(0, len(mask), gilkeep.CHUNK)]
-    return gilkeep.concat(parts, np.int64)
 
 
 def namespace(offloading_spec) -> dict:
