@@ -49,7 +49,7 @@ class Draining:
         n = len(recs)
         if not n:
             return 0
-        probes = recs["kind"] == KIND_PROBE
+        probes = gilkeep.eq(recs["kind"], KIND_PROBE)
         if gilkeep.any_(probes):
             hits = core._discovery.answered(recs["digest"][probes].tobytes(),
                                             (recs["status"][probes] == st.OK).tolist())
@@ -69,11 +69,12 @@ class Draining:
         op_ids = recs["op_id"]
         if n < batch_min:
             groups = [(None, None)]
-        elif gilkeep.all_(op_ids == op_ids[0]):
+        elif gilkeep.all_(gilkeep.eq(op_ids, op_ids[0])):
             groups = [(op_ids[0], None)]
         else:
             # dict, not np.unique: a sort lets the GIL go (shm.gilkeep)
-            groups = [(i, np.flatnonzero(op_ids == i)) for i in dict.fromkeys(op_ids.tolist())]
+            groups = [(i, gilkeep.where(gilkeep.eq(op_ids, i)))
+                      for i in dict.fromkeys(op_ids.tolist())]
         for op_id, at in groups:
             part = recs if at is None else recs[at]
             if op_id is None or len(part) < batch_min:

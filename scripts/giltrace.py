@@ -210,14 +210,15 @@ def table(report: dict, label: str) -> list[str]:
 
 
 # --- which C calls inside fn let the GIL go -----------------------------------------
-def released_in(fn, *args, switch_s: float = 1.0, **kwargs):
+def released_in(fn, *args, switch_s: float = 5.0, **kwargs):
     """(fn's result, [(site, what)] of the lines or C calls during which another
     thread ran).
 
     A second thread counts in pure Python while the switch interval is long
-    (`switch_s`): it can only run while fn's thread gave the GIL up, so a line
-    or C call during which its counter moved let the GIL go. fn must take well
-    under `switch_s`; each release found costs about that long. A release of a
+    (`switch_s`): it can only run while fn's thread gave the GIL up (or held
+    it for a whole switch interval), so a line or C call during which its
+    counter moved let the GIL go. fn must take well under `switch_s`; each
+    release found costs about that long. A release of a
     few microseconds may be missed (the counter must wake inside it): repeat
     the call to find those. (A short switch interval would catch them, but its
     forced switches land inside the profile function itself and read as
@@ -230,11 +231,18 @@ def released_in(fn, *args, switch_s: float = 1.0, **kwargs):
 def _pass(fn, args, kwargs, switch_s, found, *, lines):
     count = [0]
     stop = threading.Event()
+    gate = threading.Lock()
 
     def counter():
+        # blocked here (GIL given up) until fn's thread opens the gate: then it
+        # waits for the GIL, and runs only when fn's thread lets the GIL go or
+        # has held it for a whole switch interval
+        with gate:
+            pass
         while not stop.is_set():
             count[0] += 1
     t = threading.Thread(target=counter, daemon=True)
+    gate.acquire()
     old = sys.getswitchinterval()
     open_calls = []  # [counter at the call, frame, C function, pure (no Python inside)]
 
@@ -268,7 +276,7 @@ def _pass(fn, args, kwargs, switch_s, found, *, lines):
     sys.setswitchinterval(switch_s)
     t.start()
     try:
-        time.sleep(0.001)  # the counter runs; this thread waits its switch out
+        gate.release()  # keeps the GIL: the counter now waits for it
         c_start = count[0]
         sys.setprofile(prof)
         if lines:

@@ -116,6 +116,25 @@ def total(values) -> int:
     return sum(values.tolist())
 
 
+def eq(values: np.ndarray, value) -> np.ndarray:
+    """values == value as a bool array, in chunks."""
+    n = len(values)
+    if n <= CHUNK:
+        return values == value
+    out = zeros(n, bool)
+    for a in range(0, n, CHUNK):
+        out[a:a + CHUNK] = values[a:a + CHUNK] == value
+    return out
+
+
+def where(mask: np.ndarray) -> np.ndarray:
+    """np.flatnonzero(mask) as int64, in chunks."""
+    n = len(mask)
+    if n <= CHUNK:
+        return np.flatnonzero(mask).astype(np.int64)
+    return concat([np.flatnonzero(mask[a:a + CHUNK]) + a for a in range(0, n, CHUNK)], np.int64)
+
+
 def repeats(values) -> bool:
     """Does the 1-D int array or list hold a value twice?"""
     lst = values.tolist() if isinstance(values, np.ndarray) else list(values)

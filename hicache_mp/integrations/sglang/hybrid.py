@@ -142,11 +142,21 @@ class HybridPools:
         pool = self.pools.get(name)
         if pool is None:
             return bytes(len(keys))
-        return pool.present(keys).view(np.uint8).tobytes()
+        return pool.present(keys, wait=False).view(np.uint8).tobytes()
 
     def exists(self, keys, pool_transfers, result_cls):
-        """batch_exists_v2: the KV prefix's pages, then each pool's hit policy (hits)."""
+        """batch_exists_v2: the KV prefix's pages, then each pool's hit policy (hits).
+
+        The sidecar keys the index misses are asked of the store first, with no
+        wait: their answers come in while the KV query waits for its own (only
+        when KV keys are unknown too: a prefix another process wrote), and the
+        sidecars never sleep here. Keys this process wrote are known, so the
+        usual query sleeps not at all."""
         keys = keys if isinstance(keys, list) else list(keys)
+        for t in pool_transfers or ():
+            pool = self.pools.get(pool_name(t.name))
+            if pool is not None:
+                pool.ask(keys)
         return hits.decide(keys, self.backend.batch_exists(keys), pool_transfers, self._has,
                            result_cls)
 

@@ -7,6 +7,8 @@ the GIL (shm.gilkeep's rules): chunks of gilkeep.CHUNK, bytes compares instead
 of reductions, no `.cpu()` of a CPU tensor. Must not call the engine or torch
 beyond viewing a tensor.
 """
+import ctypes
+
 import numpy as np
 import torch
 
@@ -15,11 +17,22 @@ from workers import status as st
 
 
 def as_numpy(indices) -> np.ndarray:
-    """Host indices as numpy: a CPU tensor (SGLang's host indices are) is viewed
-    with one `.numpy()`, never copied with `.cpu()` or `.to()`: every torch op
-    lets the GIL go, and under a busy scheduler each release costs the storage
-    thread up to a switch interval to get it back."""
+    """Host indices as numpy, for the length of the SGLang call that gave them.
+
+    A contiguous int64 CPU tensor (SGLang's host indices are) is read in place
+    through its data pointer: no torch op (every one lets the GIL go, and under
+    a busy scheduler each release costs the storage thread up to a switch
+    interval to get it back), and no `.numpy()` view either, whose release
+    when it is dropped lets the GIL go too. The array holds no reference to
+    the tensor: nothing derived from it may outlive the call (the callers copy:
+    page_starts). Other tensors take `.numpy()` (or `.cpu()` off the host)."""
     if isinstance(indices, torch.Tensor):
+        if indices.is_cpu and indices.dtype == torch.int64 and indices.is_contiguous():
+            n = indices.numel()
+            if not n:
+                return np.zeros(0, dtype=np.int64)
+            raw = (ctypes.c_int64 * n).from_address(indices.data_ptr())
+            return np.frombuffer(raw, dtype=np.int64).reshape(tuple(indices.shape))
         return (indices if indices.is_cpu else indices.cpu()).numpy()
     return np.asarray(indices)
 

@@ -44,17 +44,25 @@ class SidecarPool:
     def key(self, key: str) -> str:
         return f"{key}.{self.name}"
 
-    def present(self, keys, ask: bool = True) -> np.ndarray:
+    def present(self, keys, ask: bool = True, wait: bool = True) -> np.ndarray:
         """Per key: its page is in the store. Keys the index misses are asked of
         the workers, as for KV (hicache_mp.discovery): another process sharing
-        the directory may have written them, and no stat runs in this process."""
+        the directory may have written them, and no stat runs in this process.
+        With `wait` False the answers already in are applied and none is
+        waited for (a later call sees the rest)."""
         eng = self.engine
         skeys = [f"{k}.{self.name}" for k in keys]
+        if not wait:
+            eng.poll()  # answers to an earlier ask(): GIL kept, no sleep
         out = eng.present(skeys)
         if ask and 0 in out.tobytes():
-            eng.ask(skeys, wait_s=self.probe_wait_s)
+            eng.ask(skeys, wait_s=self.probe_wait_s if wait else 0.0)
             out = eng.present(skeys)
         return out
+
+    def ask(self, keys) -> None:
+        """Ask the store about the keys the index misses; wait for nothing."""
+        self.engine.ask([f"{k}.{self.name}" for k in keys], wait_s=0.0)
 
     def start(self, keys, pages: np.ndarray, write: bool):
         """Zero-copy: submit the batch's one op, waiting for nothing.
