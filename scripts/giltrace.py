@@ -24,6 +24,7 @@ Owns no engine logic; imports nothing from the project.
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import os
 import sys
@@ -67,6 +68,7 @@ class GilTracer:
         self.records = []     # (round, call name, call id, kind, site, what, seconds)
         self.call_counts = collections.Counter()   # (round, backend call) -> calls
         self._round = None
+        self.rounds: dict = {}  # label -> rounds run under it while armed
         self.armed = False
         self._states: dict[int, _ThreadState] = {}
         self._ids = 0
@@ -105,6 +107,11 @@ class GilTracer:
         self._round = None
 
     def round(self, label: str):
+        """A round under `label`: counted (report's per-round figures) and its
+        records tagged, while armed; nothing while disarmed (timed rounds)."""
+        if not self.armed:
+            return contextlib.nullcontext()
+        self.rounds[label] = self.rounds.get(label, 0) + 1
         tracer = self
 
         class _Round:
@@ -166,10 +173,12 @@ class GilTracer:
             self.records.append((self._round, call, cid, kind, site, what, seconds, st.name))
 
     # --- results -----------------------------------------------------------------
-    def report(self, rounds: dict) -> dict:
-        """Per round label: `rounds[label]` rounds were run. Per backend call:
+    def report(self, rounds: dict | None = None) -> dict:
+        """Per round label (`rounds[label]` rounds were run; default: those
+        `round()` counted). Per backend call:
         calls, C calls over the threshold per call and gaps per call, with the
         sites (per call too) and their ms."""
+        rounds = self.rounds if rounds is None else rounds
         out = {}
         labels = sorted({r[0] for r in self.records} | {k[0] for k in self.call_counts})
         for label in labels:
@@ -197,6 +206,19 @@ class GilTracer:
                 }
             out[label] = {"rounds": n, "by_call": per_call}
         return out
+
+
+class NullTracer:
+    """GilTracer's stand-in where tracing is off: every call does nothing."""
+    armed = False
+
+    def round(self, label: str):
+        return contextlib.nullcontext()
+
+    def arm(self) -> None:
+        pass
+
+    disarm = uninstall = arm
 
 
 def table(report: dict, label: str) -> list[str]:

@@ -52,7 +52,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import sglang_hybrid_rank as HR  # noqa: E402
-from giltrace import GilTracer, table as trace_table  # noqa: E402
+from giltrace import GilTracer, NullTracer, table as trace_table  # noqa: E402
 
 CHUNK = 256      # busy-loop iterations between two time stamps (~15 us of Python)
 GAP_S = 0.5e-3   # a longer gap between stamps: another thread held the GIL that long
@@ -62,19 +62,7 @@ def log(msg: str) -> None:
     print(f"[sglang_hybrid_check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-class _NoTrace:
-    armed = False
-
-
-TRACE = _NoTrace()
-ROUNDS: dict = {}   # trace label -> runs traced under it
-
-
-def traced(label: str):
-    if getattr(TRACE, "armed", False):
-        ROUNDS[label] = ROUNDS.get(label, 0) + 1
-        return TRACE.round(label)
-    return contextlib.nullcontext()
+TRACE = NullTracer()  # GilTracer() once main() installs it (--trace)
 
 
 class Busy:
@@ -144,7 +132,7 @@ def timed(fn, busy: bool):
 def one_run(rank, pages: int, busy: bool, label: str):
     """A run of rank.requests prefetches; (seconds, Busy or None). Raises on a short hit."""
     rank.clear_dst(pages)
-    with traced(label):
+    with TRACE.round(label):
         dt, done, loop = timed(lambda: [rank.prefetch(pages, r) for r in range(rank.requests)],
                                busy)
     if done != [pages] * rank.requests:
@@ -209,7 +197,7 @@ def run_size(mp, nb, geom, pages, args) -> dict:
                busy_gaps_per_request={k: [median([a for a, _ in v]), median([b for _, b in v])]
                                       for k, v in gaps.items()},
                wrong_pages=mp.wrong, checked_pages=mp.checked)
-    if args.trace_runs and isinstance(TRACE, GilTracer):
+    if args.trace_runs and args.trace:
         # after the timed runs: the tracer's own Python on the storage thread
         # stays out of the timings
         TRACE.arm()
@@ -218,7 +206,7 @@ def run_size(mp, nb, geom, pages, args) -> dict:
                 for r in (mp, nb):
                     one_run(r, pages, mode == "busy", f"{geom}-{pages}:{r.kind}:{mode}")
         for r in (mp, nb):   # backup submissions under a busy scheduler
-            with traced(f"{geom}-{pages}:{r.kind}:backup-busy"):
+            with TRACE.round(f"{geom}-{pages}:{r.kind}:backup-busy"):
                 ok = timed(lambda r=r: r.backup(pages, 0, fresh=True), True)[1]
             assert ok, f"{geom} {r.kind}: the traced backup failed"
         TRACE.disarm()
@@ -292,12 +280,9 @@ def parse(argv=None):
 def main(argv=None) -> dict:
     args = parse(argv)
     global TRACE
-    ROUNDS.clear()
-    if args.trace:   # before any storage thread starts: threading.setprofile reaches new ones only
-        TRACE = GilTracer().install()
-        TRACE.disarm()
-    else:
-        TRACE = _NoTrace()
+    # before any storage thread starts: threading.setprofile reaches new ones only
+    TRACE = GilTracer().install() if args.trace else NullTracer()
+    TRACE.disarm()
     S = HR.RH.load()
     import sglang.srt.mem_cache.hicache_storage as hs
     import torch
@@ -310,12 +295,11 @@ def main(argv=None) -> dict:
             res["geometries"][geom] = run_geometry(S, hs, geom, args, root)
             write(args.json, res)   # so far: a run cut short by a time limit keeps these
     finally:
-        if isinstance(TRACE, GilTracer):
-            TRACE.uninstall()
+        TRACE.uninstall()
         import shutil
         shutil.rmtree(root, ignore_errors=True)
-    if isinstance(TRACE, GilTracer):
-        res["gil_trace"] = TRACE.report(ROUNDS)
+    if args.trace:
+        res["gil_trace"] = TRACE.report()
         res["gil_trace_table"] = ["| round | backend call | calls | C calls > 1 ms per call | "
                                   "gaps > 2 ms per call | ms per call | top site |"]
         for label in res["gil_trace"]:

@@ -42,7 +42,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import sglang_real as R  # noqa: E402
-from giltrace import GilTracer, table as trace_table  # noqa: E402
+from giltrace import GilTracer, NullTracer, table as trace_table  # noqa: E402
 
 _rid = itertools.count()
 
@@ -268,23 +268,7 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
-class _NoTrace:
-    """Stands in for GilTracer with --no-trace."""
-
-    def round(self, label):
-        return contextlib.nullcontext()
-
-
-TRACE = _NoTrace()
-ROUNDS: dict = {}  # trace label -> rounds run under it
-
-
-def traced(label: str):
-    """A round under `label`: counted and traced while the tracer is armed."""
-    if getattr(TRACE, "armed", False):
-        ROUNDS[label] = ROUNDS.get(label, 0) + 1
-        return TRACE.round(label)
-    return contextlib.nullcontext()
+TRACE = NullTracer()  # GilTracer() once main() installs it (--trace)
 
 
 def run_backend(sgl, backend, args, root, floor: "Stack | None" = None) -> dict:
@@ -313,7 +297,7 @@ def run_backend(sgl, backend, args, root, floor: "Stack | None" = None) -> dict:
                 if mode == "busy_switch":
                     sys.setswitchinterval(args.switch_interval_ms / 1000)
                 try:
-                    with traced(f"{backend}:{mode}"):
+                    with TRACE.round(f"{backend}:{mode}"):
                         t, done = s.read(sched)
                 finally:
                     sys.setswitchinterval(old)
@@ -324,7 +308,7 @@ def run_backend(sgl, backend, args, root, floor: "Stack | None" = None) -> dict:
                 if floor is not None and mode in ("idle", "busy"):
                     # the no-bytes floor's round of the same mode, right after this one
                     fs = Scheduler(mode == "busy")
-                    with traced(f"nobytes-floor:{mode}"):
+                    with TRACE.round(f"nobytes-floor:{mode}"):
                         out.setdefault(f"floor_{mode}_s", []).append(floor.read(fs)[0])
                     if mode == "busy":
                         out.setdefault("floor_loop_rate", []).append(fs.rate())
@@ -340,10 +324,10 @@ def run_backend(sgl, backend, args, root, floor: "Stack | None" = None) -> dict:
             TRACE.arm()
             for _ in range(args.trace_runs):
                 for mode in ("idle", "busy"):
-                    with traced(f"{backend}:{mode}"):
+                    with TRACE.round(f"{backend}:{mode}"):
                         s.read(Scheduler(mode == "busy"))
                     if floor is not None:
-                        with traced(f"nobytes-floor:{mode}"):
+                        with TRACE.round(f"nobytes-floor:{mode}"):
                             floor.read(Scheduler(mode == "busy"))
             TRACE.disarm()
         for mode, ts in modes.items():
@@ -554,7 +538,7 @@ def main(argv=None) -> dict:
             print(json.dumps({"injector": res["injector"]}), flush=True)
     if args.trace:
         TRACE.uninstall()
-        res["gil_trace"] = TRACE.report(ROUNDS)
+        res["gil_trace"] = TRACE.report()
         print("| round | backend call | calls | C calls > 1 ms per call | gaps > 2 ms per call "
               "| ms per call | top site |", flush=True)
         for label in res["gil_trace"]:

@@ -14,12 +14,9 @@ import torch
 
 import sglang_real_hybrid as real  # noqa: E402
 
-try:
-    S = real.load()
-except Exception as exc:  # ImportError, or a broken module on the chain
-    pytest.skip(f"SGLang's host-pool classes cannot be imported here ({exc}); install "
-                f"`pip install --no-deps -r .ci/sglang-stack-requirements.txt`",
-                allow_module_level=True)
+from hybrid_stack import load_or_skip  # noqa: E402
+
+S = load_or_skip()
 
 from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402
 

@@ -9,17 +9,13 @@ while the call's thread has given the GIL up, and the C call during which it
 moved is named. Under a busy scheduler each such release costs the storage
 thread up to a switch interval (5 ms) to win the GIL back.
 """
-import pytest
 import torch
 
 import sglang_real_hybrid as real  # noqa: E402
 
-try:
-    S = real.load()
-except Exception as exc:  # ImportError, or a broken module on the chain
-    pytest.skip(f"SGLang's host-pool classes cannot be imported here ({exc}); install "
-                f"`pip install --no-deps -r .ci/sglang-stack-requirements.txt`",
-                allow_module_level=True)
+from hybrid_stack import load_or_skip  # noqa: E402
+
+S = load_or_skip()
 
 from giltrace import released_in  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer  # noqa: E402

@@ -19,17 +19,8 @@ _serial = itertools.count()
 
 @pytest.fixture(scope="session")
 def volume(tmp_path_factory):
-    why = jfs.unavailable()
-    if why:
-        pytest.skip(why)
-    vol = jfs.Volume(str(tmp_path_factory.mktemp("jfs")), nodes=2)
-    try:
+    with jfs.volume_or_skip(str(tmp_path_factory.mktemp("jfs")), nodes=2) as vol:
         yield vol
-    finally:
-        meta = vol.meta
-        vol.close()
-        left = jfs.client_pids(meta)
-        assert not left, f"juicefs clients left running: {left}"
 
 
 @dataclass

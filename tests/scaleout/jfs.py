@@ -8,6 +8,7 @@ fault suite's client death), and one read of its metadata engine
 each has its own kernel dentry/attribute cache and its own JuiceFS buffers,
 and they agree only through the metadata engine, as two machines would.
 """
+import contextlib
 import os
 import shutil
 import signal
@@ -104,6 +105,24 @@ class Volume:
         while client_pids(self.meta) and time.monotonic() < deadline:
             time.sleep(0.05)
         self.mounts = []
+
+
+@contextlib.contextmanager
+def volume_or_skip(root: str, nodes: int):
+    """A Volume under `root` for a fixture; the test skips without JuiceFS, and
+    fails if a client is still running once the volume is closed."""
+    import pytest  # tests only: scripts/bench_scaleout.py imports this module without it
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    vol = Volume(root, nodes=nodes)
+    try:
+        yield vol
+    finally:
+        meta = vol.meta
+        vol.close()
+        left = client_pids(meta)
+        assert not left, f"juicefs clients left running: {left}"
 
 
 def client_pids(meta: str, mount: str | None = None) -> list[int]:

@@ -29,19 +29,10 @@ PER_OP = 8
 
 @pytest.fixture
 def volume(tmp_path):
-    why = jfs.unavailable()
-    if why:
-        pytest.skip(why)
     root = tmp_path / "jfs"
     root.mkdir()
-    vol = jfs.Volume(str(root), nodes=1)
-    try:
+    with jfs.volume_or_skip(str(root), nodes=1) as vol:
         yield vol
-    finally:
-        meta = vol.meta
-        vol.close()
-        left = jfs.client_pids(meta)
-        assert not left, f"juicefs clients left running: {left}"
 
 
 class Load:
