@@ -68,7 +68,8 @@ class Books:
         # with the GIL released (shm.gilkeep)
         pos = pos.astype(np.intp)
         codes, io_ns, errs = (np.ascontiguousarray(a) for a in (codes, io_ns, errs))
-        live = op.page_status[pos] == st.PENDING  # pages failed by a worker death stay failed
+        # pages failed by a worker death stay failed
+        live = gilkeep.eq(gilkeep.take(op.page_status, pos), st.PENDING)
         if not gilkeep.all_(live):
             pos, codes, io_ns, errs, seqs = pos[live], codes[live], io_ns[live], errs[live], \
                 seqs[live]
@@ -81,7 +82,7 @@ class Books:
             self._write_pages -= n
         op.landed_seq[pos] = seqs
         gilkeep.add_at(self._counts[op.kind], codes, 1)
-        ok = codes == st.OK
+        ok = gilkeep.eq(codes, st.OK)
         digests = op.digests
         if op.kind == WRITE and gilkeep.any_(ok):
             add = self._index.add
@@ -100,7 +101,8 @@ class Books:
 
     def _retire(self, op: Op, now_ns: int) -> None:
         slots = op.host_pages
-        self._slot_op[slots[self._slot_op[slots] == op.id]] = 0
+        mine = gilkeep.eq(gilkeep.take(self._slot_op, slots), op.id)
+        gilkeep.set_at(self._slot_op, slots[mine], 0)
         self._ops.pop(op.id, None)
         self._in_flight[op.kind] -= 1
         if self._in_flight[op.kind] == 0:

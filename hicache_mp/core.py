@@ -342,7 +342,8 @@ class EngineCore(Lookups, Books, Closing):
             if self._in_flight[kind] == 0:
                 self._busy_since[kind] = op.submit_ns
             self._in_flight[kind] += 1
-            op.pin_slots = pin_slots(b"".join(digests))
+            op.digest_bytes = b"".join(digests)  # the pins' and the records' (striping) source
+            op.pin_slots = pin_slots(op.digest_bytes)
             gilkeep.add_at(self._pins, op.pin_slots, 1)
             if kind == WRITE:
                 room = max(0, self._backup_budget - self._write_pages)

@@ -53,7 +53,7 @@ class Striping:
         ring refused (backpressure: the caller says so per page, never queues
         unbounded). Sets `op.worker_of`."""
         n = op.num_pages
-        recs = records(b"".join(op.digests), KIND_READ if op.kind == READ else KIND_WRITE)
+        recs = records(op.digest_bytes, KIND_READ if op.kind == READ else KIND_WRITE)
         recs["op_id"] = op.id
         gilkeep.assign(recs["host_page"], op.host_pages)
         gilkeep.assign(recs["page_pos"], gilkeep.iota(n))
