@@ -125,26 +125,35 @@ def backup(ctl, host_indices, tokens, hashes, sched, timeout_s):
     return time.perf_counter() - t0, op.completed_tokens
 
 
-def prefetch(ctl, host_pool, tokens, sched, timeout_s):
-    """(seconds, tokens completed, host indices or None)."""
+def prefetch(ctl, host_pool, parts, sched, timeout_s):
+    """One round: every request of `parts` ([(tokens, last_hash)]) submitted at
+    once, as a scheduler admits several waiting requests, then each one's hit
+    answered (host slots allocated, handed to the I/O thread) as it comes and
+    every ack drained until each request is complete.
+    (seconds, [tokens completed], [host indices or None]) per request."""
     deadline = time.monotonic() + timeout_s
     t0 = time.perf_counter()
-    op = ctl.prefetch(f"r{next(_rid)}", tokens)
-    got = sched.get(ctl.prefetch_hit_queue, deadline)
-    assert got is op
-    n = op.storage_hit_count
-    idx = host_pool.alloc(n) if n else None
-    if idx is None:
-        return time.perf_counter() - t0, 0, None
-    op.host_indices = idx
-    ctl.prefetch_buffer.put(op)
-    done = 0
-    while True:
+    ops = [ctl.prefetch(f"r{next(_rid)}", tokens, last_hash) for tokens, last_hash in parts]
+    at = {op.request_id: i for i, op in enumerate(ops)}
+    done, idx = [0] * len(ops), [None] * len(ops)
+    open_ = len(ops)
+    for _ in ops:
+        got = sched.get(ctl.prefetch_hit_queue, deadline)
+        i = at[got.request_id]
+        n = got.storage_hit_count
+        idx[i] = host_pool.alloc(n) if n else None
+        if idx[i] is None:
+            open_ -= 1
+            continue
+        got.host_indices = idx[i]
+        ctl.prefetch_buffer.put(got)
+    while open_:
         ack = sched.get(ctl.ack_prefetch_queue, deadline)
+        i = at[ack.rid]
         if ack.completed_req:
-            break
-        if ack.completed_tokens is not None:
-            done = ack.completed_tokens
+            open_ -= 1
+        elif ack.completed_tokens is not None:
+            done[i] = ack.completed_tokens
     return time.perf_counter() - t0, done, idx
 
 
@@ -195,22 +204,35 @@ class Stack:
         import torch
         return self.hp.get_data_page(int(idx[i * self.P]), flat=True).contiguous().view(torch.uint8)
 
-    def check(self, idx, done_tokens) -> None:
+    def check(self, idx, done_tokens, first_page=0) -> None:
+        """Compare the pages read into `idx` with src pages from `first_page` on."""
         if self.name == "nobytes" or idx is None:
             return
         import torch
         for i in range(done_tokens // self.P):
             self.checked_pages += 1
-            if not torch.equal(self.page(idx, i), self.page(self.src, i)):
+            if not torch.equal(self.page(idx, i), self.page(self.src, first_page + i)):
                 self.wrong_pages += 1
 
+    def parts(self):
+        """The round's requests: the backed-up sequence cut into `--requests`
+        prefixes of their own (each carries the hash chain's last hash before it)."""
+        n = max(1, self.pages // max(1, self.args.requests))
+        cuts = list(range(0, self.pages, n))
+        return [(self.tokens[c * self.P:min(c + n, self.pages) * self.P],
+                 self.hashes[c - 1] if c else None, c) for c in cuts]
+
     def read(self, sched, *, check=True):
-        t, done, idx = prefetch(self.ctl, self.hp, self.tokens, sched, self.args.timeout_s)
-        if idx is not None:
-            if check:
-                self.check(idx, done)
-            self.hp.free(idx)
-        return t, done
+        """(seconds, tokens completed over all requests)."""
+        parts = self.parts()
+        t, done, idx = prefetch(self.ctl, self.hp, [(tk, lh) for tk, lh, _ in parts], sched,
+                                self.args.timeout_s)
+        for (_, _, first), d, x in zip(parts, done, idx):
+            if x is not None:
+                if check:
+                    self.check(x, d, first)
+                self.hp.free(x)
+        return t, sum(done)
 
     def close(self):
         with contextlib.suppress(Exception):
@@ -474,6 +496,9 @@ def parse(argv=None):
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--layout", default="layer_first")
     ap.add_argument("--workers", type=int, default=0, help="hicache_mp num_workers (0 = auto)")
+    ap.add_argument("--requests", type=int, default=2,
+                    help="requests per round, submitted together (the round's pages split "
+                         "evenly: 2 GiB rounds of 8 MiB pages are 2 requests of 128 pages)")
     ap.add_argument("--runs", type=int, default=3,
                     help="rounds per mode (and read-while-a-backup rounds); medians reported")
     ap.add_argument("--mp-key", action="append", default=[], metavar="KEY=VALUE",
