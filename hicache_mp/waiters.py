@@ -64,6 +64,17 @@ POSTED_NS).
      (hicache_mp.closing). Once the control block and semaphore are released
      (`_released`), nothing here touches them, and a sleep on the closed
      semaphore ends at once (shm.wake).
+  9. Waking ahead. Under a busy scheduler a waiter woken by a post runs
+     again only once the GIL comes back, up to a switch interval later
+     (`gil_delay_s`, note 4); idle, at once. So a leader whose hand-backs are
+     slow (over AHEAD_MIN_S) lowers its target by the pages the workers
+     finish in that time (`rate_pps`, measured over its own earlier sleeps):
+     the GIL comes back as the batch's last pages land, not a switch
+     interval after. Woken ahead and not yet done, it drains with the GIL
+     held while the rest is due within SPIN_CAP_S (never longer), else it
+     sleeps again, then with no lead. A target lowered too far costs a
+     second sleep, never a wrong answer: an op is done only when its own
+     pages are drained (decision 80).
 
 Runs on the scheduler's threads: all of it under the engine's lock, and the
 leader's one sleep is the only place the GIL is given up (decision 74).
@@ -73,7 +84,7 @@ import time
 
 from shm import gilkeep
 from workers.control import PAGES, POSTED_NS, WAITERS, WAKE_AT, WAKE_SEQ
-from workers.timing import NO_TARGET_CAP_S, TARGET_CAP_S
+from workers.timing import AHEAD_MIN_S, NO_TARGET_CAP_S, SPIN_CAP_S, TARGET_CAP_S
 
 
 class Waiters:
@@ -92,6 +103,10 @@ class Waiters:
         # leftover posts taken before a sleep (never slept on, note 6).
         self.posted = self.expired = self.stale = self.leftover = 0
         self.gil_delay_s = 0.0   # EWMA: a worker's post -> the waiter runs again (note 4)
+        self.rate_pps = 0.0      # EWMA: pages/s the workers finish while a leader sleeps (note 9)
+        self.ahead_op = None     # the op a leader last woke ahead of: its next sleep has no lead
+        self.ahead = self.spun = 0   # posted wakes ahead of a batch's end; those that then spun
+        self.spin_s = 0.0
 
     def sleep(self, timeout_s: float, op=None) -> None:
         """Sleep until `op`'s batch is surely done (or, with no op, the next
@@ -105,10 +120,11 @@ class Waiters:
             if eng._released:  # note 8
                 return
             target = op is not None and not op.done
-            at = eng._worker_pages + op._remaining if target else 0  # note 1
-            cap = min(timeout_s, TARGET_CAP_S if target else NO_TARGET_CAP_S)  # note 7
             prev = self.leader
             lead = prev is None or prev == me  # note 5
+            early = self._early(op) if target and lead else 0  # note 9
+            at = eng._worker_pages + op._remaining - early if target else 0  # notes 1, 9
+            cap = min(timeout_s, TARGET_CAP_S if target else NO_TARGET_CAP_S)  # note 7
             if lead and at:
                 self.leftover += self.done_sem.take_pending()  # note 6
             self.targets.append(at)
@@ -125,6 +141,7 @@ class Waiters:
                     self._leave(at)
                 return
             self.leader = me
+            since = (time.monotonic_ns(), gilkeep.total(self.control.workers[:, PAGES]))
         posted = False
         try:
             # The one place the GIL is given up: counted (posted wake-ups and
@@ -134,11 +151,42 @@ class Waiters:
         finally:
             with eng._lock:
                 self.leader = prev
-                self._count(posted, at)
+                self._count(posted, at, since=since)
                 if not eng._closed:
                     eng._drain()  # the followers' ops too, before they look
+                    if posted and early:
+                        self.ahead += 1
+                        if not op.done:
+                            self._spin(op)  # note 9
                 self.woken.notify_all()
                 self._leave(at)
+
+    def _early(self, op) -> int:
+        """How many pages before `op`'s end to be woken (note 9): those the
+        workers finish while the GIL comes back; 0 where it comes back at once,
+        with no rate measured yet, or on the sleep after a wake-ahead."""
+        if op is self.ahead_op or self.gil_delay_s < AHEAD_MIN_S or self.rate_pps <= 0:
+            self.ahead_op = None
+            return 0
+        n = min(int(self.gil_delay_s * self.rate_pps), op._remaining // 2)
+        if n:
+            self.ahead_op = op
+        return n
+
+    def _spin(self, op) -> None:
+        """Woken ahead of `op`'s end with the GIL back: drain, GIL held, while
+        its last pages are due within SPIN_CAP_S; else the caller sleeps again
+        (note 9)."""
+        due_s = op._remaining / self.rate_pps
+        if due_s > SPIN_CAP_S:
+            return
+        eng = self.engine
+        t0 = time.monotonic()
+        until = t0 + min(SPIN_CAP_S, 2 * due_s)
+        while not op.done and not eng._closed and time.monotonic() < until:
+            eng._drain()
+        self.spun += 1
+        self.spin_s += time.monotonic() - t0
 
     def _set_wake_at(self) -> None:
         """WAKE_AT for the waiters now: the lowest target, 0 if any has none,
@@ -159,7 +207,7 @@ class Waiters:
         self.control.words[WAITERS] -= 1
         self._set_wake_at()
 
-    def _count(self, posted: bool, at: int, follower: bool = False) -> None:
+    def _count(self, posted: bool, at: int, follower: bool = False, since=None) -> None:
         if posted:
             self.posted += 1
         else:
@@ -168,9 +216,16 @@ class Waiters:
             return
         if gilkeep.total(self.control.workers[:, PAGES]) < at:
             self.stale += 1
-        else:  # from the worker's post to running again: the GIL's price
-            delay = (time.monotonic_ns() - int(self.control.words[POSTED_NS])) / 1e9
-            self.gil_delay_s += 0.25 * (delay - self.gil_delay_s)
+            return
+        now, posted_ns = time.monotonic_ns(), int(self.control.words[POSTED_NS])
+        # from the worker's post to running again: the GIL's price
+        self.gil_delay_s += 0.25 * ((now - posted_ns) / 1e9 - self.gil_delay_s)
+        if since is not None:  # the workers' pace while this leader slept (note 9)
+            t0, pages0 = since
+            n, dt = at - pages0, posted_ns - t0
+            if n >= 2 and dt > 0:
+                rate = n * 1e9 / dt
+                self.rate_pps += (0.25 * (rate - self.rate_pps)) if self.rate_pps else rate
 
     def wake_all(self) -> None:
         """The leader (it alone sleeps on the semaphore) and its followers;
@@ -184,4 +239,7 @@ class Waiters:
     def metrics(self) -> dict:
         return {"wait_wakeups_posted": self.posted, "wait_wakeups_timeout": self.expired,
                 "wait_wakeups_stale": self.stale, "wait_leftover_posts_taken": self.leftover,
-                "wait_gil_delay_ms": round(self.gil_delay_s * 1e3, 3)}
+                "wait_gil_delay_ms": round(self.gil_delay_s * 1e3, 3),
+                "wait_woken_ahead": self.ahead, "wait_ahead_spins": self.spun,
+                "wait_ahead_spin_ms": round(self.spin_s * 1e3, 3),
+                "wait_pages_per_s": round(self.rate_pps, 1)}

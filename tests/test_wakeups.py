@@ -157,3 +157,68 @@ def test_two_threads_waiting_on_a_backup_and_a_prefetch_are_not_woken_per_page(s
         assert expired <= 2, f"{expired} sleeps ran to their cap"
         assert torch.equal(read_back(eng, range(2 * n, 3 * n)).view(torch.int16),
                            data[:n].view(torch.int16))
+
+
+def test_a_busy_scheduler_wakes_the_waiter_ahead_of_its_batch_end_with_exact_bytes(store):
+    """With a pure-Python thread holding the GIL beside it, the waiter's
+    hand-backs are slow (waiters note 9): it learns that, and its later
+    sleeps end ahead of the batch's last pages, so the GIL comes back as
+    they land. Every page still arrives exactly and in full."""
+    import threading
+    n = 128
+    with engine(store, pages=2 * n, workers=2) as eng:
+        keys, data = _stored(eng, n, seed=6)
+        stop = threading.Event()
+
+        def scheduler():   # pure Python: gives the GIL up only at the switch interval
+            x = 1
+            while not stop.is_set():
+                for i in range(2000):
+                    x = (x * 1103515245 + i) & 0xFFFFFFFF
+
+        t = threading.Thread(target=scheduler)
+        t.start()
+        try:
+            for r in range(8):
+                eng.host_pool.tensor[n:].fill_(7)
+                op = eng.prefetch(keys, list(range(n, 2 * n)))
+                assert eng.wait(op, 60) and op.status == "ok" and op.completed_pages == n
+                assert torch.equal(read_back(eng, range(n, 2 * n)).view(torch.int16),
+                                   data.view(torch.int16)), f"round {r}"
+        finally:
+            stop.set()
+            t.join()
+        m = eng.metrics()
+        assert m["wait_gil_delay_ms"] > 1.0, m        # the busy thread made hand-backs slow
+        assert m["wait_woken_ahead"] >= 1, m          # and later sleeps ended ahead of the end
+
+
+def test_a_target_lowered_too_far_costs_a_second_sleep_never_a_short_answer(store):
+    """A wake-ahead estimate far too early (hand-backs believed to take 10 s,
+    the workers believed to finish a million pages a second): the waiter is
+    woken half-way, finds its op not done, sleeps again with no lead, and the
+    op ends complete with every byte exact."""
+    import signal
+    n = 64
+    with engine(store, pages=2 * n, workers=2) as eng:
+        keys, data = _stored(eng, n, seed=8)
+        w = eng._waiters
+        pids = eng.worker_pids()
+        for pid in pids:   # the waiter is asleep on its lowered target before any page lands
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            w.gil_delay_s, w.rate_pps = 10.0, 1e6
+            eng.host_pool.tensor[n:].fill_(7)
+            op = eng.prefetch(keys, list(range(n, 2 * n)))
+            # within the sleep's cap (TARGET_CAP_S), so the post, not the cap, ends it
+            timer = __import__("threading").Timer(0.05, lambda: [os.kill(p, signal.SIGCONT)
+                                                                for p in pids])
+            timer.start()
+            ahead0, posted0 = w.ahead, w.posted
+            assert eng.wait(op, 60) and op.status == "ok" and op.completed_pages == n
+            timer.join()
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        assert w.ahead - ahead0 == 1, (w.ahead, ahead0)   # woken once ahead, at half-way
+        assert torch.equal(read_back(eng, range(n, 2 * n)).view(torch.int16), data.view(torch.int16))

@@ -12,6 +12,14 @@ worker posts; each expiry costs the waiter the GIL back once, so the sleeps
 are as long as correctness allows and the caps are only for what no post
 announces:
 
+    AHEAD_MIN_S        1 ms   a GIL hand-back slower than this (the waiters' EWMA
+                              of post -> running again) is worth waking ahead
+                              of a batch's end for (waiters note 9); idle, it
+                              takes microseconds and a waiter wakes at the end
+    SPIN_CAP_S         2 ms   woken ahead with the GIL back, a waiter drains
+                              (GIL held) at most this long for the batch's last
+                              pages before it sleeps again: well under the
+                              switch interval a second sleep would cost
     NO_TARGET_CAP_S    5 ms   a waiter on no op (a post after every completion)
     DEVICE_WAIT_SLICE_S 2 ms  a device load waits on its engine in slices this
                               short, so it copies pages to the GPU as they land
@@ -88,6 +96,8 @@ The store's side (wall-clock file times, shared with other hosts):
 """
 
 # --- the scheduler's side ---------------------------------------------------------
+AHEAD_MIN_S = 0.001
+SPIN_CAP_S = 0.002
 NO_TARGET_CAP_S = 0.005
 DEVICE_WAIT_SLICE_S = 0.002
 PROBE_WAIT_SLICE_S = 0.05
