@@ -5,8 +5,9 @@ it), failing a lost worker's pages, the watchdog for stuck workers, the
 fences on a killed worker's host slots, replacements (through
 workers.pool.WorkerPool.respawn), killing what an abandoned op still holds,
 and the counters of all this. Must not start or reap processes itself (the
-pool does, one waitpid or load each) nor pop rings other than to take what a
-lost worker finished first (through the engine's drain).
+pool does, one waitpid or load each), nor move a worker's state (the pool's
+calls do: workers.handle), nor pop rings other than to take what a lost
+worker finished first (through the engine's drain).
 
 Failure states:
   - a worker dies: its unfinished pages end WORKER_DIED (ops end partial or
@@ -22,6 +23,8 @@ Failure states:
   - a replacement cannot be started: the pool is broken (`BrokenPool`, one
     terminal state in workers.pool), and every later prefetch or backup
     says so; a healthy engine never does.
+The states a worker goes through on these paths, and the moves allowed
+between them: workers.handle.
 """
 import logging
 import os
@@ -31,6 +34,7 @@ import time
 import numpy as np
 
 from workers import status as st
+from workers.handle import WorkerState
 from workers.pool import BrokenPool
 from workers.timing import HEALTH_CHECK_S
 
@@ -79,8 +83,7 @@ class Supervisor:
                 if fenced is handle:
                     self.core._reserved[slots] = False
             self.fences = [f for f in self.fences if f[0] is not handle]
-            if handle.respawn_after_reap:
-                handle.respawn_after_reap = False
+            if handle.state is WorkerState.REAPED:  # its replacement waited for this
                 self._respawn(handle)
         self._watchdog()
 
@@ -153,11 +156,10 @@ class Supervisor:
             return
         for index in np.flatnonzero(stalled).tolist():
             handle = self.pool.workers[index]
-            if handle.stuck or handle in self.pool.starting or not handle.alive():
+            if handle.state is not WorkerState.READY or not handle.alive():
                 continue
             age_s = float(stalled[index])
-            handle.stuck = True
-            handle.child.kill()
+            self.pool.kill_stuck(handle)
             self.drain_ring(handle.completion)  # pages it did finish are good
             slots = self.fail_pages(index, fence=True)
             self.fences.append((handle, slots))

@@ -7,14 +7,19 @@
     wake[i].post()  (once per batch)              (sleeps on wake[i] when idle)
     completion_ring[i].pop()  <---------------  push completion, post done if WAITERS
     dead(): a worker that exited is reported;   exits on STOP or when its parent dies
-    respawn(): its replacement starts with
-    fresh rings, in the background
+    respawn(): its replacement starts in the
+    background, on the emptied rings once the
+    old process is reaped (else on new ones)
     poll_starting(): replacements that are
     ready now take work (usable())
 
-Owns process lifecycle (through workers.child), the per-worker rings and wake
-semaphore, and the pool's one terminal broken state. Must not interpret
-records: the engine does that.
+Owns process lifecycle (through workers.child): every move of a worker's
+`WorkerState` (workers.handle: the state diagram and the one table of moves)
+is made here, the supervisor's included (`kill_stuck`), and `usable()`,
+`dead()`, `starting`, `dying` and `reaped()` read the state, never a list's
+membership. Also owns the per-worker rings and wake semaphore, and the
+pool's one terminal broken state. Must not interpret records: the engine
+does that.
 
 Replacements never block the caller: `respawn` launches the new worker and
 returns; the worker maps and pre-populates the host pool (seconds for tens of
@@ -38,15 +43,17 @@ Shutdown protocol (close()):
 import os
 import threading
 import time
-from dataclasses import dataclass
 
 from shm import Ring, WakeSemaphore
 from shm.segment import ShmFullError
 from workers.child import Child, ChildStartError, wait_ready
 from workers.control import INFLIGHT, INFLIGHT_KEY, MAX_WORKERS, READS_DONE, READS_SUBMITTED, \
     READY_PID, STOP, Control
+from workers.handle import KILLED_UNREAPED, WorkerHandle, WorkerState, WorkerStateError
 from workers.spec import WorkerSpec
 from workers.timing import STOP_GRACE_S
+
+S = WorkerState
 
 # Replacements of one slot that may fail to start in a row before the pool is
 # broken: one can be killed by an operator or the OOM killer; three in a row is
@@ -95,61 +102,6 @@ class BrokenPool(RuntimeError):
     """The pool is closed or could not replace a dead worker."""
 
 
-@dataclass(eq=False)
-class WorkerHandle:
-    index: int
-    generation: int
-    child: Child
-    submit: Ring          # reads (prefetch)
-    write: Ring           # writes (backup): served after reads
-    completion: Ring
-    wake: WakeSemaphore
-    stuck: bool = False   # given up on (watchdog, or a failed start): never usable again
-    rings_closed: bool = False
-    start_error: str | None = None   # why it never became ready
-    respawn_after_reap: bool = False  # /dev/shm was full: replace it once it is reaped
-    # The engine's watchdog: what it last saw the worker take from its rings, and when.
-    seen_taken: tuple = (-1, -1)
-    seen_at: float = 0.0
-    looked_at: float = 0.0
-
-    def idle_with_work_s(self, now: float, watch_gap_s: float) -> float:
-        """How long the worker has had records queued without taking any (0: it
-        took one since the last look, or has none). One load per ring.
-
-        A gap between two looks longer than `watch_gap_s` restarts the count:
-        the caller did not poll then, so the worker may have sat on a full
-        completion ring, which is no fault of its own."""
-        taken = (self.submit.consumed(), self.write.consumed())
-        gap, self.looked_at = now - self.looked_at, now
-        if taken != self.seen_taken or gap > watch_gap_s or \
-                not (self.submit.pending() or self.write.pending()):
-            self.seen_taken, self.seen_at = taken, now
-            return 0.0
-        return now - self.seen_at
-
-    @property
-    def rings(self) -> tuple:
-        return (self.submit, self.write, self.completion, self.wake)
-
-    def close_rings(self) -> None:
-        if not self.rings_closed:
-            self.rings_closed = True
-            for r in self.rings:
-                r.close()
-
-    @property
-    def pid(self) -> int:
-        return self.child.pid
-
-    @property
-    def proc(self):
-        return self.child.proc
-
-    def alive(self) -> bool:
-        return self.child.alive()
-
-
 class WorkerPool:
     def __init__(self, *, num_workers: int, tag: str, control: Control, spec: WorkerSpec,
                  ring_capacity: int, pin_cpus: list[int] | None = None,
@@ -163,9 +115,11 @@ class WorkerPool:
         self.pin_cpus = pin_cpus
         self.start_timeout_s = start_timeout_s
         self.respawns = 0
-        self.workers: list[WorkerHandle] = []
-        self.starting: list[WorkerHandle] = []   # replacements not ready yet
-        self.dying: list[WorkerHandle] = []      # stuck workers killed, not reaped yet
+        self.workers: list[WorkerHandle] = []   # each slot's current handle
+        # Every handle launched and not GONE yet, in launch order: the current
+        # ones and killed predecessors not reaped yet. Where each one stands is
+        # its state (workers.handle), never which list holds it.
+        self._handles: list[WorkerHandle] = []
         self.closed = False
         # Reentrant: close() may run in a signal handler that interrupted
         # this thread inside check() or broken (hicache_mp.closing).
@@ -179,12 +133,24 @@ class WorkerPool:
                 wait_ready([h.child for h in self.workers], start_timeout_s)
             except ChildStartError as exc:
                 raise WorkerStartError(str(exc)) from None
+            for h in self.workers:
+                h.to(S.READY)
         except BaseException:
             self.close()
             raise
 
     def __len__(self) -> int:
         return len(self.workers)
+
+    @property
+    def starting(self) -> list[WorkerHandle]:
+        """Replacements launched and not ready yet, in launch order."""
+        return [h for h in self._handles if h.state is S.STARTING]
+
+    @property
+    def dying(self) -> list[WorkerHandle]:
+        """Killed workers not reaped yet (DYING, DYING_UNREPLACED)."""
+        return [h for h in self._handles if h.state in KILLED_UNREAPED]
 
     # --- the broken state -----------------------------------------------------------
     @property
@@ -248,6 +214,7 @@ class WorkerPool:
                 r.close()
             raise
         handle = WorkerHandle(index, generation, child, submit, write, completion, wake)
+        self._handles.append(handle)
         if self.pin_cpus:
             self._pin(handle)
         return handle
@@ -261,61 +228,71 @@ class WorkerPool:
             pass  # pinning is an optimisation, never a reason to fail
 
     def usable(self) -> list[WorkerHandle]:
-        """Workers new work may go to: ready and not given up on."""
-        return [h for h in self.workers if not h.stuck and h not in self.starting]
+        """Workers new work may go to: READY ones."""
+        return [h for h in self.workers if h.state is S.READY]
 
     def dead(self) -> list[WorkerHandle]:
-        """Ready workers that have exited without being asked to. A waitpid each.
+        """READY workers that have exited without being asked to. A waitpid each.
         (One that exits before it is ready is `poll_starting`'s to report.)"""
         if self.closed or self._broken is not None:
             return []
-        return [h for h in self.workers
-                if not h.stuck and h not in self.starting and not h.alive()]
+        return [h for h in self.workers if h.state is S.READY and not h.alive()]
+
+    def kill_stuck(self, handle: WorkerHandle) -> None:
+        """The watchdog gives up on READY `handle`: STUCK, SIGKILLed (no wait);
+        `respawn` replaces it, and `reaped()` reports it once it is gone."""
+        handle.to(S.STUCK)
+        handle.child.kill()
 
     def respawn(self, handle: WorkerHandle) -> WorkerHandle | None:
-        """Start a replacement for `handle` (dead, or stuck and killed) and return at once.
+        """Start a replacement for `handle` and return at once: READY and exited,
+        STUCK or FAILED (killed), or REAPED (its replacement waited for that).
 
         The caller has drained the old completion ring and failed its pages. The
         replacement takes work once `poll_starting` has seen it ready. Raises
         BrokenPool (and the pool is broken) if it cannot even be launched.
-        None: a stuck worker's replacement waits until `reaped()` returns it
-        (`respawn_after_reap`; /dev/shm had no room for new rings).
+        None: /dev/shm had no room for a killed worker's replacement's rings;
+        `handle` is DYING_UNREPLACED, and `reaped()` returns it REAPED, to be
+        passed here again, when its own rings are free to reuse.
         """
         self.check()
-        if handle.start_error is not None:
+        if handle.state is S.FAILED:
             self._start_failures[handle.index] += 1
             if self._start_failures[handle.index] >= MAX_START_FAILURES:
                 self._break(f"could not replace hicache_mp-worker-{handle.index}: "
                             f"{handle.start_error}")
                 handle.close_rings()
                 raise BrokenPool(self.broken)
-        reuse = None
-        if handle.alive() and handle.stuck and not handle.rings_closed:
+        if handle.state in (S.STUCK, S.FAILED) and handle.alive():
             # Killed but not reaped: it may still map its rings, so new ones.
             # With /dev/shm full, the replacement waits for the reaping instead
-            # and then reuses these (respawn_after_reap).
+            # and then reuses these (DYING_UNREPLACED, then REAPED).
             handle.child.kill()
-            if handle not in self.dying:
-                self.dying.append(handle)
             try:
                 new = self._spawn(handle.index, handle.generation + 1)
             except ShmFullError:
-                handle.respawn_after_reap = True
+                handle.to(S.DYING_UNREPLACED)
                 return None
             except Exception as exc:
+                handle.to(S.DYING)  # no successor, but reaped() still lifts its fence
                 self._break(f"could not replace hicache_mp-worker-{handle.index}: {exc}")
                 raise BrokenPool(self.broken) from exc
+            handle.to(S.DYING)
             handle.close_rings()
             return self._install(new)
-        if handle.alive() or handle.rings_closed:
-            handle.close_rings()
+        # Killed ones are DYING until reaped() reports them (at once: alive()
+        # below reaps), which is when the engine lifts their fence.
+        then = S.DYING if handle.state in (S.STUCK, S.FAILED) else S.GONE
+        if handle.alive():
+            raise WorkerStateError(f"respawn of hicache_mp-worker-{handle.index}, "
+                                   f"{handle.state.name} and still running")
+        handle.check_move(then)
+        # Reaped: the replacement owns its rings now, so it needs no new /dev/shm.
+        reuse = None if handle.rings_closed else handle.hand_over_rings()
+        if then is S.DYING:
+            handle.to(S.DYING)
         else:
-            reuse, handle.rings_closed = handle.rings, True  # the replacement owns them now
-        if handle.stuck and handle not in self.dying:
-            # reaped() reports it once gone (maybe at once: alive() above reaps),
-            # which is when the engine lifts its fence.
-            handle.child.kill()
-            self.dying.append(handle)
+            self._gone(handle)
         try:
             new = self._spawn(handle.index, handle.generation + 1, reuse)
         except Exception as exc:
@@ -323,42 +300,51 @@ class WorkerPool:
                 for r in reuse:
                     r.close()
             self._break(f"could not replace hicache_mp-worker-{handle.index}: {exc}")
-            handle.stuck = True
             raise BrokenPool(self.broken) from exc
         return self._install(new)
 
     def _install(self, new: WorkerHandle) -> WorkerHandle:
         self.workers[new.index] = new
-        self.starting.append(new)
         self.respawns += 1
         return new
 
-    def poll_starting(self) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
-        """(replacements ready now, replacements that failed to start).
+    def _gone(self, handle: WorkerHandle) -> None:
+        handle.to(S.GONE)
+        try:
+            self._handles.remove(handle)
+        except ValueError:
+            pass  # a close() from a signal handler has dropped every handle meanwhile
 
-        A failed one is never usable (`stuck`); the caller fails its pages and
+    def poll_starting(self) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
+        """(replacements READY now, replacements FAILED now).
+
+        A FAILED one is killed and never usable; the caller fails its pages and
         calls `respawn` for it, which starts another or, after
         MAX_START_FAILURES in a row, breaks the pool."""
         ready, failed = [], []
-        for h in list(self.starting):
+        for h in self.starting:
             try:
                 if not h.child.check_start(self.start_timeout_s):
                     continue
+                h.to(S.READY)
                 ready.append(h)
                 self._start_failures[h.index] = 0
             except ChildStartError as exc:
                 h.start_error = str(exc)
                 h.child.kill()
-                h.stuck = True
+                h.to(S.FAILED)
                 failed.append(h)
-            self.starting.remove(h)
         return ready, failed
 
     def reaped(self) -> list[WorkerHandle]:
-        """Killed stuck workers that are gone for good now (a waitpid each)."""
+        """Killed workers that are gone for good now (a waitpid each): DYING ones
+        end GONE, DYING_UNREPLACED ones REAPED (the caller respawns those)."""
         gone = [h for h in self.dying if not h.alive()]
         for h in gone:
-            self.dying.remove(h)
+            if h.state is S.DYING:
+                self._gone(h)
+            else:
+                h.to(S.REAPED)
         return gone
 
     def close(self, grace_s: float = STOP_GRACE_S) -> None:
@@ -366,8 +352,7 @@ class WorkerPool:
         for h in self.workers:                             # 5
             h.close_rings()
         self.workers = []
-        self.starting = []
-        self.dying = []
+        self._handles = []
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Steps 1-4: the workers are gone; their rings stay readable."""
