@@ -72,7 +72,8 @@ POSTED_NS).
      the GIL comes back as the batch's last pages land, not a switch
      interval after. Woken ahead and not yet done, it drains with the GIL
      held while the rest is due within SPIN_CAP_S (never longer), else it
-     sleeps again, then with no lead. A target lowered too far costs a
+     sleeps again, then with no lead. A batch due within SPIN_CAP_S from
+     the start (a sidecar's page or two) is drained so, with no sleep at all. A target lowered too far costs a
      second sleep, never a wrong answer: an op is done only when its own
      pages are drained (decision 80).
 
@@ -105,7 +106,7 @@ class Waiters:
         self.gil_delay_s = 0.0   # EWMA: a worker's post -> the waiter runs again (note 4)
         self.rate_pps = 0.0      # EWMA: pages/s the workers finish while a leader sleeps (note 9)
         self.ahead_op = None     # the op a leader last woke ahead of: its next sleep has no lead
-        self.ahead = self.spun = 0   # posted wakes ahead of a batch's end; those that then spun
+        self.ahead = self.spun = 0   # posted wakes ahead of a batch's end; spins (note 9)
         self.spin_s = 0.0
 
     def sleep(self, timeout_s: float, op=None) -> None:
@@ -122,7 +123,8 @@ class Waiters:
             target = op is not None and not op.done
             prev = self.leader
             lead = prev is None or prev == me  # note 5
-            early = self._early(op) if target and lead else 0  # note 9
+            short = target and lead and self._due_soon(op)  # note 9
+            early = self._early(op) if target and lead and not short else 0  # note 9
             at = eng._worker_pages + op._remaining - early if target else 0  # notes 1, 9
             cap = min(timeout_s, TARGET_CAP_S if target else NO_TARGET_CAP_S)  # note 7
             if lead and at:
@@ -131,6 +133,8 @@ class Waiters:
             self._set_wake_at()
             self.control.words[WAITERS] += 1
             drained = eng._drain()  # note 3
+            if short and not drained and not eng._closed:
+                drained = self._spin(op)  # note 9: due within SPIN_CAP_S, no sleep
             if drained or not lead:
                 try:
                     if drained:
@@ -156,7 +160,7 @@ class Waiters:
                     eng._drain()  # the followers' ops too, before they look
                     if posted and early:
                         self.ahead += 1
-                        if not op.done:
+                        if not op.done and self._due_soon(op):
                             self._spin(op)  # note 9
                 self.woken.notify_all()
                 self._leave(at)
@@ -173,20 +177,23 @@ class Waiters:
             self.ahead_op = op
         return n
 
-    def _spin(self, op) -> None:
-        """Woken ahead of `op`'s end with the GIL back: drain, GIL held, while
-        its last pages are due within SPIN_CAP_S; else the caller sleeps again
-        (note 9)."""
-        due_s = op._remaining / self.rate_pps
-        if due_s > SPIN_CAP_S:
-            return
+    def _due_soon(self, op) -> bool:
+        """Under slow hand-backs, `op`'s pages are due within SPIN_CAP_S (note 9)."""
+        return (self.gil_delay_s >= AHEAD_MIN_S and self.rate_pps > 0
+                and op._remaining <= SPIN_CAP_S * self.rate_pps)
+
+    def _spin(self, op) -> bool:
+        """Drain, GIL held, until `op` is done or SPIN_CAP_S has passed (note
+        9; a batch's fixed latency, a worker's pickup, is not in the pace, so
+        the cap, not the due time, bounds it); True if it is done."""
         eng = self.engine
         t0 = time.monotonic()
-        until = t0 + min(SPIN_CAP_S, 2 * due_s)
+        until = t0 + SPIN_CAP_S
         while not op.done and not eng._closed and time.monotonic() < until:
             eng._drain()
         self.spun += 1
         self.spin_s += time.monotonic() - t0
+        return op.done
 
     def _set_wake_at(self) -> None:
         """WAKE_AT for the waiters now: the lowest target, 0 if any has none,
@@ -240,6 +247,6 @@ class Waiters:
         return {"wait_wakeups_posted": self.posted, "wait_wakeups_timeout": self.expired,
                 "wait_wakeups_stale": self.stale, "wait_leftover_posts_taken": self.leftover,
                 "wait_gil_delay_ms": round(self.gil_delay_s * 1e3, 3),
-                "wait_woken_ahead": self.ahead, "wait_ahead_spins": self.spun,
-                "wait_ahead_spin_ms": round(self.spin_s * 1e3, 3),
+                "wait_woken_ahead": self.ahead, "wait_spins": self.spun,
+                "wait_spin_ms": round(self.spin_s * 1e3, 3),
                 "wait_pages_per_s": round(self.rate_pps, 1)}

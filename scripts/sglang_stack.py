@@ -259,7 +259,8 @@ def _wakeups(s: Stack):
     m = eng.metrics()
     return (m.get("wait_wakeups_posted", 0), m.get("wait_wakeups_timeout", 0),
             m.get("wait_wakeups_stale", 0),
-            m.get("wait_leftover_posts_taken", 0))
+            m.get("wait_leftover_posts_taken", 0),
+            m.get("wait_woken_ahead", 0), m.get("wait_spins", 0))
 
 
 def _pages_done(s: Stack):
@@ -361,7 +362,10 @@ def run_backend(sgl, backend, args, root, floor: "Stack | None" = None) -> dict:
             out["wakeups_per_batch_get"] = {"posted": (w1[0] - w0[0]) / calls,
                                             "timeout_5ms": (w1[1] - w0[1]) / calls,
                                             "stale": (w1[2] - w0[2]) / calls,
-                                            "leftover_taken": (w1[3] - w0[3]) / calls}
+                                            "leftover_taken": (w1[3] - w0[3]) / calls,
+                                            # waiters note 9: posted ahead of the batch's end
+                                            "woken_ahead": (w1[4] - w0[4]) / calls,
+                                            "spins": (w1[5] - w0[5]) / calls}
         out["busy_over_idle"] = out["busy_median_s"] and out["idle_median_s"] / out["busy_median_s"]
         out["loop_rate_busy"] = median(rates)
         if calls and args.runs:  # batch_get_v1 calls per read round (the warm-up not counted)
