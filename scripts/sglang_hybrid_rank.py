@@ -1,11 +1,37 @@
-"""One rank of scripts/sglang_hybrid_check.py: SGLang's real hybrid host pools,
-one backend built by SGLang's StorageBackendFactory, and the storage calls
-SGLang's HybridCacheController makes (0.5.23) for a backup and a prefetch.
+"""One rank of scripts/sglang_hybrid_check.py: SGLang's real hybrid host pools
+and HybridCacheController (scripts/sglang_hybrid_controller.py: what is
+SGLang's and what is stood in) on one backend, and the scheduler's side of
+a backup and of a prefetch round, as SGLang 0.5.23's UnifiedRadixCache
+plays it in the cache host-memory mode.
 
-The pools hold two regions: `src` (random bytes, backed up) and `dst` (read
-into, zeroed before each run and compared with `src` after it, KV and
-sidecar pages alike). Owns no engine logic; the backend is imported only
-through SGLang's factory (the dynamic config names
+Backup (`write_backup_storage`): per request one `write_storage` of its KV
+host pages and hashes, with the transfers the components build for
+BACKUP_STORAGE (Mamba: the state slot keyed by the last hash; SWA: the
+window's pages keyed by the last hashes; both TRAILING_PAGES) and the DSA
+indexer's sidecar transfer (indices from KV); then the acks from
+`ack_backup_queue`. The controller's backup thread makes the calls
+(`batch_set_v2`, then `batch_set_v1` per 128 pages).
+
+Prefetch round (`prefetch_from_storage` and the hit drain): `requests`
+`controller.prefetch` calls, each with its own token ids and the PREFETCH
+transfers (placeholder keys for Mamba and SWA, the indexer's sidecar),
+all submitted before any wait; then per hit from `prefetch_hit_queue`
+`allocate_storage_hit` (the KV staging) and the components' staging of
+each sidecar (`alloc` on its host pool), `prefetch_buffer.put`; then
+`ack_prefetch_queue` until every request is complete. The calls
+(`batch_exists_v2`, `batch_get_v1` and `batch_get_v2` per 128-page batch
+and of the sidecars) are the controller's threads'. Waits go through the
+caller's scheduler object (scripts/sglang_stack.py's `Scheduler`). Not
+played: the radix tree (no insert after a round: its staging is checked
+and freed), the prefetch rate limiter and host eviction (the pools are
+sized so that a round always fits).
+
+Bytes: mp's `src` host pages (random, backed up) are allocated once; the
+rest of each pool is zeroed. After a round every KV and sidecar page read
+is compared with its `src` page, then zeroed and freed. The no-bytes
+floor's pools hold only the staging its rounds allocate (its backups name
+host slots it never reads). Owns no engine logic; the backend is built
+only by SGLang's factory (the dynamic config names
 `hicache_mp.integrations.sglang`.HiCacheMP or scripts/sglang_nobytes.py).
 """
 from __future__ import annotations
@@ -15,210 +41,290 @@ import contextlib
 import itertools
 import os
 import sys
+import threading
+import time
+from array import array
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sglang_hybrid_controller as HC  # noqa: E402
 import sglang_real  # noqa: E402
 import sglang_real_hybrid as RH  # noqa: E402
 
-BATCH = 128   # SGLang's STORAGE_BATCH_SIZE
-SRC, DST = 0, 1
+COUNTED = ("batch_exists", "batch_exists_v2", "batch_get_v1", "batch_get_v2", "batch_set_v1",
+           "batch_set_v2")
 # On CUDA every host pool is cudaHostRegister'ed and nothing unregisters it:
 # freeing one lets the next pools be mapped at the same address, and
 # registering that range again fails (cudaError 712). They live until exit.
 _KEEP_POOLS: list = []
-_fresh = itertools.count()
+_ids = itertools.count(1)
+
+
+def _same(t, axis: int, a: int, b: int, n: int) -> bool:
+    """Pages a.. and b.. (n of them) of `t` hold the same bytes (NaN payloads too)."""
+    return torch.equal(t.narrow(axis, a, n).view(torch.uint8),
+                       t.narrow(axis, b, n).view(torch.uint8))
 
 
 class Rank:
-    def __init__(self, S, hs, g: dict, kind: str, store: str, *, requests: int, max_pages: int,
+    def __init__(self, S, g: dict, kind: str, store: str, *, requests: int, max_pages: int,
                  workers: int):
-        from sglang.srt.mem_cache.hicache_storage import (HiCacheStorageExtraInfo, PoolHitPolicy,
-                                                          PoolName, PoolTransfer)
-        self.T, self.N, self.H = PoolTransfer, PoolName, PoolHitPolicy
-        self.X = HiCacheStorageExtraInfo
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+        from sglang.srt.mem_cache.utils import get_storage_hash_str
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+        self.T, self.N, self.TRAIL = PoolTransfer, PoolName, PoolHitPolicy.TRAILING_PAGES
+        self.hash, self.Handle, self.Key = get_storage_hash_str, CacheRequestHandle, RadixKey
         self.kind, self.g, self.requests, self.top = kind, g, requests, max_pages
         self.P, self.W = g["page_size"], g.get("window_pages", 2)
-        # the no-bytes backend never touches a pool: small ones (on CUDA each pool
-        # is pinned; the indices of a round are the same either way). SGLang's MLA
-        # page_first_direct pool wants at least a page per layer.
-        pages, prefixes = ((2 * requests * max_pages, 2 * requests) if kind == "mp"
-                           else (max(2, g["layers"]), 2))
-        self.pools = RH.hybrid_pools(S, g, kv_pages=pages, prefixes=prefixes)
+        if kind not in ("mp", "nobytes"):
+            raise ValueError(f"unknown backend {kind!r} (mp, nobytes)")
+        n = 2 if kind == "mp" else 1   # mp: src and staging; the floor: staging only
+        self.pools = RH.hybrid_pools(S, g, kv_pages=n * requests * max_pages,
+                                     prefixes=n * requests)
         _KEEP_POOLS.append(self.pools)
         if kind == "mp":
-            gen = torch.Generator().manual_seed(11)
-            for pool in self.side_pools() + [self.pools.kv]:
-                RH.fill_words(pool, gen)
             extra = sglang_real.mp_extra(store, num_workers=workers)
-        elif kind == "nobytes":
+            self._fill_src()
+        else:   # slots its backups name and it never reads
             extra = sglang_real.nobytes_extra()
-        else:
-            raise ValueError(f"unknown backend {kind!r} (mp, nobytes)")
-        cfg = hs.HiCacheStorageConfig(
-            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-            is_mla_model=g["kv"] == "mla", enable_storage_metrics=False,
-            is_page_first_layout=False, model_name=f"hicache-mp/{g['name']}", extra_config=extra)
-        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-        self.backend = StorageBackendFactory.create_backend("dynamic", cfg, self.pools.kv)
-        self.backend.register_mem_pool_host(self.pools.kv)
-        self.backend.register_mem_host_pool_v2(self.pools.kv, PoolName.KV)
-        for name, pool in self.named_sidecars():
-            self.backend.register_mem_host_pool_v2(pool, name)
-        self.backend.on_host_pools_registered()
-        self.calls = collections.Counter()   # backend calls made, by name
+            self.src = {"kv": torch.arange(requests * max_pages * self.P),
+                        "mamba": torch.arange(requests),
+                        "swa": torch.arange(requests * self.W * self.P)}
+        self.group, self.ctl = HC.build(self.pools, g, backend="dynamic", extra=extra,
+                                        model=f"hicache-mp/{g['name']}")
+        self.backend = self.ctl.storage_backend
+        self.calls = collections.Counter()    # backend calls SGLang's threads made, by name
+        self.empty_v2 = collections.Counter()  # of which batch_get_v2 / set_v2 with no transfer
+        self._count_calls()
         self.wrong = self.checked = 0
-        self._keys, self._idx = {}, {}
+        self._keys = {}
 
-    def named_sidecars(self):
-        p, N = self.pools, self.N
-        return [(n, x) for n, x in ((N.MAMBA, p.mamba), (N.SWA, p.swa), (N.INDEXER, p.indexer))
-                if x is not None]
+    # --- setup -------------------------------------------------------------------
+    def _fill_src(self) -> None:
+        """Random bytes in `src` (allocated now, for good), zeros in the rest."""
+        gen = torch.Generator().manual_seed(11)
+        p, R, top, P = self.pools, self.requests, self.top, self.P
+        for pool in (p.kv, p.mamba, p.swa, p.indexer):
+            if pool is not None:
+                RH.fill_words(pool, gen)
+        self.src = {"kv": p.kv.alloc(R * top * P)}
+        if p.mamba is not None:
+            self.src["mamba"] = p.mamba.alloc(R)
+        if p.swa is not None:
+            self.src["swa"] = p.swa.alloc(R * self.W * P)
+        for label, pool in (("kv", p.kv), ("mamba", p.mamba), ("swa", p.swa)):
+            if pool is not None:
+                rest = pool.alloc(pool.available_size())
+                self._zero(label, rest)
+                pool.free(rest)
 
-    def side_pools(self):
-        return [x for _, x in self.named_sidecars()]
+    def _count_calls(self) -> None:
+        """Counts SGLang's calls into the backend, not the backend's into itself
+        (HiCacheMP's batch_exists_v2 asks its own batch_exists)."""
+        be, inside = self.backend, threading.local()
+        for name in COUNTED:
+            fn = getattr(be, name, None)
+            if fn is None:
+                continue
 
-    # --- keys and indices (built once, outside the timed calls) -------------------
-    def keys(self, pages: int, r: int, tag: str = "") -> list[str]:
-        k = (pages, r, tag)
+            def wrap(*a, _fn=fn, _name=name, **k):
+                if getattr(inside, "call", False):
+                    return _fn(*a, **k)
+                self.calls[_name] += 1
+                if _name in ("batch_get_v2", "batch_set_v2") and not a[0]:
+                    self.empty_v2[_name] += 1
+                inside.call = True
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    inside.call = False
+            setattr(be, name, wrap)
+
+    # --- keys (built once, outside the timed calls) --------------------------------
+    def prefix(self, pages: int, r: int, fresh: bool = False):
+        """(RadixKey, storage hashes) of request r's prefix of `pages` pages."""
+        k = (pages, r, next(_ids) if fresh else 0)
         if k not in self._keys:
-            self._keys[k] = [f"{self.g['name']}-n{pages}-r{r}{tag}-p{i:05d}" for i in range(pages)]
+            first = next(_ids) * (self.top + 1) * self.P
+            key = self.Key(array("q", range(first, first + pages * self.P)))
+            self._keys[k] = (key, self.hash(key, None, page_size=self.P))
         return self._keys[k]
 
-    def kv_first(self, region: int, r: int) -> int:
-        return (region * self.requests + r) * self.top
-
-    def idx(self, pages: int, r: int, region: int) -> torch.Tensor:
-        k = (pages, r, region)
-        if k not in self._idx:
-            a = self.kv_first(region, r) * self.P
-            self._idx[k] = torch.arange(a, a + pages * self.P, dtype=torch.int64)
-        return self._idx[k]
-
-    def slot(self, region: int, r: int) -> int:
-        return region * self.requests + r
-
-    def sidecars(self, keys, r: int, region: int) -> list:
-        """The trailing (non-KV-derived) transfers of one prefix, as SGLang's op carries them."""
-        T, N, TRAIL = self.T, self.N, self.H.TRAILING_PAGES
-        s = self.slot(region, r)
-        if ("side", s) not in self._idx:   # the tensors once: no torch call of ours in a round
-            a = s * self.W * self.P
-            self._idx["side", s] = (torch.tensor([s]),
-                                    torch.arange(a, a + self.W * self.P, dtype=torch.int64))
-        slot, window = self._idx["side", s]
-        out = []
+    def src_of(self, r: int, pages: int) -> dict:
+        a, w = r * self.top * self.P, r * self.W * self.P
+        out = {"kv": self.src["kv"][a:a + pages * self.P]}
         if self.pools.mamba is not None:
-            out.append(T(name=N.MAMBA, keys=keys[-1:], host_indices=slot, hit_policy=TRAIL))
+            out["mamba"] = self.src["mamba"][r:r + 1]
         if self.pools.swa is not None:
-            out.append(T(name=N.SWA, keys=keys[-self.W:], hit_policy=TRAIL, host_indices=window))
+            out["swa"] = self.src["swa"][w:w + self.W * self.P]
         return out
 
-    # --- the controller's calls (run on a storage thread) ------------------------
-    def backup(self, pages: int, r: int, fresh: bool = False) -> bool:
-        """hybrid_cache_controller._page_backup: the sidecars' batch_set_v2, then
-        cache_controller._page_backup: batch_set_v1 per 128-page batch."""
-        keys = self.keys(pages, r, f"-t{next(_fresh)}" if fresh else "")
-        idx, P, x = self.idx(pages, r, SRC), self.P, self.X(prefix_keys=None)
-        side = self.sidecars(keys, r, SRC)
-        if self.pools.indexer is not None:
-            side.append(self.T(name=self.N.INDEXER, keys=keys, host_indices=idx))
-        ok = True
-        if side:
-            self.calls["batch_set_v2"] += 1
-            ok = all(all(v) for v in self.backend.batch_set_v2(side, extra_info=x).values())
-        for i in range(0, len(keys), BATCH):
-            self.calls["batch_set_v1"] += 1
-            bk = keys[i:i + BATCH]
-            ok &= all(self.backend.batch_set_v1(bk, idx[i * P:(i + len(bk)) * P], x))
-        return ok
+    # --- the scheduler's side --------------------------------------------------------
+    def backup(self, pages: int, sched, timeout_s: float, fresh: bool = False) -> bool:
+        """Every request's prefix written through the controller; True if all completed."""
+        T, N, ids = self.T, self.N, {}
+        for r in range(self.requests):
+            key, hashes = self.prefix(pages, r, fresh)
+            src = self.src_of(r, pages)
+            aux = []
+            if self.pools.mamba is not None:
+                aux.append(T(name=N.MAMBA, host_indices=src["mamba"], keys=hashes[-1:],
+                             hit_policy=self.TRAIL))
+            if self.pools.swa is not None:
+                aux.append(T(name=N.SWA, host_indices=src["swa"], keys=hashes[-self.W:],
+                             hit_policy=self.TRAIL))
+            if self.pools.indexer is not None:
+                aux.append(T(name=N.INDEXER, keys=hashes, indices_from_pool=N.KV))
+            ids[self.ctl.write_storage(src["kv"], list(key.token_ids), hashes, None,
+                                       extra_pools=aux or None)] = pages * self.P
+        deadline, ok = time.monotonic() + timeout_s, True
+        for _ in range(self.requests):
+            op = sched.get(self.ctl.ack_backup_queue, deadline)
+            ok &= op.completed_tokens == ids.pop(op.id)
+        return ok and not ids
 
-    def prefetch(self, pages: int, r: int) -> int:
-        """KV pages read (0 if a sidecar missed): _storage_hit_query's batch_exists_v2,
-        _page_transfer's batches (batch_get_v1, plus batch_get_v2 of KV-derived
-        pools), then _page_transfer_sidecar's batch_get_v2."""
-        keys, idx, P = self.keys(pages, r), self.idx(pages, r, DST), self.P
-        T, N = self.T, self.N
-        side = self.sidecars(keys, r, DST)
-        derived = self.pools.indexer is not None
-        query = side + ([T(name=N.INDEXER, indices_from_pool=N.KV)] if derived else [])
-        self.calls["batch_exists_v2"] += 1
-        n = self.backend.batch_exists_v2(keys, query, self.X(prefix_keys=None)).kv_hit_pages
-        done = 0
-        for i in range(0, n, BATCH):
-            bk = keys[i:min(i + BATCH, n)]
-            bidx, x = idx[i * P:(i + len(bk)) * P], self.X(prefix_keys=None)
-            self.calls["batch_get_v1"] += 1
-            res = self.backend.batch_get_v1(bk, bidx, x)
-            c = res.index(False) if False in res else len(res)
-            if derived:
-                self.calls["batch_get_v2"] += 1
-                got = self.backend.batch_get_v2([T(name=N.INDEXER, host_indices=bidx, keys=bk)],
-                                                extra_info=x)
-                c = min([c] + [v.index(False) if False in v else len(v) for v in got.values()])
-            done += c
-            if c < len(bk):
-                return done
-        if done == len(keys) and side:
-            self.calls["batch_get_v2"] += 1
-            got = self.backend.batch_get_v2(side, extra_info=self.X(prefix_keys=None))
-            if not all(all(v) for v in got.values()):
-                return 0
-        return done
+    def _prefetch_transfers(self) -> list:
+        T, N, out = self.T, self.N, []
+        if self.pools.mamba is not None:
+            out.append(T(name=N.MAMBA, keys=["__placeholder__"], hit_policy=self.TRAIL))
+        if self.pools.swa is not None:
+            out.append(T(name=N.SWA, keys=["__placeholder__"] * self.W, hit_policy=self.TRAIL))
+        if self.pools.indexer is not None:
+            out.append(T(name=N.INDEXER, indices_from_pool=N.KV))
+        return out
+
+    def prefetch(self, pages: int, sched, timeout_s: float):
+        """One round: (seconds, {rid: (request, operation, KV tokens completed)})."""
+        ctl, deadline = self.ctl, time.monotonic() + timeout_s
+        keys = [self.prefix(pages, r)[0] for r in range(self.requests)]
+        rids = {}
+        t0 = time.perf_counter()
+        for r, key in enumerate(keys):
+            handle = self.Handle(rid=f"{self.kind}-{next(_ids)}", attempt_id=0)
+            rids[handle.rid] = r
+            ctl.prefetch(handle, key, None, None, extra_pools=self._prefetch_transfers() or None)
+        out, staged = {}, 0
+        for _ in keys:
+            op = sched.get(ctl.prefetch_hit_queue, deadline)
+            out[op.request_id] = [rids[op.request_id], op, 0]
+            staged += self._stage(op)
+        while staged:
+            ack = sched.get(ctl.ack_prefetch_queue, deadline)
+            if ack.completed_tokens is not None:
+                out[ack.rid][2] = ack.completed_tokens
+            staged -= bool(ack.completed_req)
+        return time.perf_counter() - t0, out
+
+    def _stage(self, op) -> bool:
+        """The hit drain's allocation: KV staging, each sidecar's, then the I/O queue."""
+        ctl, hit = self.ctl, op.storage_hit_count
+        if op.is_terminated() or hit < ctl.prefetch_threshold:
+            return False
+        host, n = ctl.allocate_storage_hit(op, hit, allow_partial=True,
+                                           min_tokens=ctl.prefetch_threshold,
+                                           evict_host=lambda tokens: 0)  # no tree to evict
+        if host is None:
+            return False
+        for t in op.pool_transfers or ():
+            if t.host_indices is None and not t.indices_from_pool:
+                pool = self.group.get_pool(t.name)
+                t.host_indices = pool.alloc(min(len(t.keys), n // self.P) * pool.page_size)
+        op.storage_hit_count, op.hash_value, op.host_indices = n, op.hash_value[:n // self.P], host
+        ctl.prefetch_buffer.put(op)
+        return True
+
+    def finish(self, pages: int, out: dict, label: str) -> None:
+        """Checks (mp) and frees a round's staging; raises on a short read."""
+        done = sorted((r, tokens // self.P) for r, _, tokens in out.values())
+        try:
+            if self.kind == "mp":
+                for r, op, _ in out.values():
+                    self._check(op, r, pages)
+        finally:
+            for _, op, _ in out.values():
+                if op.host_indices is not None:
+                    self.group.free(op.host_indices)
+                for t in op.pool_transfers or ():
+                    if t.host_indices is not None and not t.indices_from_pool:
+                        self.group.get_pool(t.name).free(t.host_indices)
+        if done != [(r, pages) for r in range(self.requests)]:
+            raise AssertionError(f"{label}: (request, pages) read {done}, wanted {pages} each")
 
     # --- the bytes ------------------------------------------------------------------
-    def _views(self, region: int, r: int, pages: int):
-        """(pool label, [tensor views of the pages]) for every pool of one prefix."""
-        p, a, s = self.pools, self.kv_first(region, r), self.slot(region, r)
-        kv = p.kv.kv_buffer
-        # page_first_direct: MLA (pages, layers, P, 1, dim), MHA (2, pages, layers, P, H, D)
-        out = [("kv", [kv[a:a + pages]] if self.g["kv"] == "mla" else [kv[:, a:a + pages]])]
-        if p.indexer is not None:
-            out.append(("indexer", [p.indexer.index_k_with_scale_buffer[a:a + pages]]))
-        if p.mamba is not None:
-            out.append(("mamba", [p.mamba.temporal_buffer[s:s + 1],
-                                  *[c[s:s + 1] for c in p.mamba.conv_buffer]]))
-        if p.swa is not None:
-            out.append(("swa", [p.swa.kv_buffer[:, s * self.W:(s + 1) * self.W]]))
-        return out
+    def _pages(self, label: str, idx) -> list[int]:
+        step = 1 if label == "mamba" else self.P
+        return [int(i) // step for i in idx[::step]]
 
-    def clear_dst(self, pages: int) -> None:
-        if self.kind == "nobytes":
-            return
-        for r in range(self.requests):
-            for _, views in self._views(DST, r, pages):
-                for v in views:
-                    v.zero_()
+    def _buffers(self, label: str):
+        """(tensor, page axis) of every buffer of a pool (page_first_direct layouts)."""
+        p = self.pools
+        if label == "kv":
+            return [(p.kv.kv_buffer, 0 if self.g["kv"] == "mla" else 1)]
+        if label == "indexer":
+            return [(p.indexer.index_k_with_scale_buffer, 0)]
+        if label == "swa":
+            return [(p.swa.kv_buffer, 1)]
+        return [(p.mamba.temporal_buffer, 0)] + [(c, 0) for c in p.mamba.conv_buffer]
 
-    def check(self, pages: int) -> None:
-        """Counts every KV and sidecar page of the last run against what was written."""
-        if self.kind == "nobytes":
-            return
-        for r in range(self.requests):
-            pairs = zip(self._views(DST, r, pages), self._views(SRC, r, pages))
-            for (label, dst), (_, src) in pairs:
-                n = {"kv": pages, "indexer": pages, "mamba": 1, "swa": self.W}[label]
-                self.checked += n
-                if all(torch.equal(d.view(torch.uint8), s.view(torch.uint8))
-                       for d, s in zip(dst, src)):
-                    continue
-                axis = 1 if label == "swa" or (label == "kv" and self.g["kv"] != "mla") else 0
-                for i in range(n):
-                    self.wrong += not all(torch.equal(d.narrow(axis, i, 1).view(torch.uint8),
-                                                      s.narrow(axis, i, 1).view(torch.uint8))
-                                          for d, s in zip(dst, src))
+    @staticmethod
+    def _runs(d: list, s: list):
+        """(dst page, src page, pages) runs where both go up by one: one view each."""
+        i = 0
+        while i < len(d):
+            j = i + 1
+            while j < len(d) and d[j] == d[j - 1] + 1 and s[j] == s[j - 1] + 1:
+                j += 1
+            yield d[i], s[i], j - i
+            i = j
+
+    def _zero(self, label: str, idx) -> None:
+        labels = [label] + (["indexer"] if label == "kv" and self.pools.indexer else [])
+        for lb in labels:
+            pages = self._pages(lb, idx)
+            for t, axis in self._buffers(lb):
+                for a, _, n in self._runs(pages, pages):
+                    t.narrow(axis, a, n).zero_()
+
+    def _check(self, op, r: int, pages: int) -> None:
+        """Counts every page of request r's round against its src page, then zeroes it."""
+        src = self.src_of(r, pages)
+        dst = {"kv": op.host_indices}
+        for t in op.pool_transfers or ():
+            if not t.indices_from_pool:
+                dst[t.name.value] = t.host_indices
+        pairs = [("kv", "kv")] + ([("indexer", "kv")] if self.pools.indexer is not None else [])
+        pairs += [(lb, lb) for lb in ("mamba", "swa") if lb in src]
+        for label, via in pairs:
+            d, s = self._pages(via, dst[via]), self._pages(via, src[via])
+            self.checked += len(s)
+            bad = set(range(len(d), len(s)))   # pages never staged
+            for t, axis in self._buffers(label):
+                k = 0
+                for a, b, n in self._runs(d, s[:len(d)]):
+                    if not _same(t, axis, a, b, n):
+                        bad |= {k + i for i in range(n) if not _same(t, axis, a + i, b + i, 1)}
+                    k += n
+            self.wrong += len(bad)   # a page counts once, whichever buffer differs
+            for t, axis in self._buffers(label):
+                for a, _, n in self._runs(d, d):
+                    t.narrow(axis, a, n).zero_()
 
     def round_bytes(self, pages: int) -> int:
-        """Bytes one prefetch of `pages` KV pages moves, sidecars included."""
-        return sum(v.numel() * v.element_size() for _, views in self._views(SRC, 0, pages)
-                   for v in views)
+        """Bytes one request of `pages` KV pages moves, sidecars included."""
+        b = self.page_bytes()
+        return pages * (b["kv"] + b.get("indexer", 0)) + b.get("mamba", 0) + \
+            self.W * b.get("swa", 0)
 
     def page_bytes(self) -> dict:
-        return {label: sum(v.numel() * v.element_size() for v in views)
-                for label, views in self._views(SRC, 0, 1)}
+        out = {}
+        for label in ("kv", "indexer", "mamba", "swa"):
+            if label == "kv" or getattr(self.pools, label) is not None:
+                out[label] = sum(t.narrow(axis, 0, 1).numel() * t.element_size()
+                                 for t, axis in self._buffers(label))
+        return out
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            if hasattr(self.backend, "close"):
-                self.backend.close()
+            self.ctl.detach_storage_backend()   # stops SGLang's threads, closes the backend

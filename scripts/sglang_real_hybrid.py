@@ -11,7 +11,11 @@ SGLang's own shm allocator (memfds). Where the chain cannot be imported,
 
 The DSA indexer host pool reads only attributes of its device pool
 (`DSATokenToKVPool`, a CUDA pool); `dsa_device_pool()` gives it those
-attributes on CPU tensors. Every other object here is SGLang's own class.
+attributes on CPU tensors, as an instance of a `DSATokenToKVPool` subclass
+whose `__init__` allocates nothing (a real one wants 64-token pages, a
+128-dim indexer and CUDA kernels), so that it also stands for the device KV
+pool of scripts/sglang_hybrid_controller.py's controller. Every other object
+here is SGLang's own class.
 """
 import os
 import sys
@@ -100,26 +104,50 @@ def mamba_pool(S, *, layers=2, slots=6, temporal=(2, 4, 4), conv=((3, 8),),
                            device="cpu", allocator_type=allocator, layout=layout)
 
 
-def dsa_device_pool(*, layers=2, page_size=4, tokens=32, bytes_per_token=6):
-    """The attributes DSAIndexerPoolHost reads from its DSATokenToKVPool."""
-    return SimpleNamespace(
+_DSA_DEVICE_CLS = []
+
+
+def _dsa_device_cls():
+    """The DSATokenToKVPool subclass (the module docstring says why), made once."""
+    if not _DSA_DEVICE_CLS:
+        from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+        class DsaDevicePool(DSATokenToKVPool):
+            def __init__(self, **attrs):   # no super().__init__: it allocates device buffers
+                self.__dict__.update(attrs)
+                self.layer_transfer_counter = None
+
+            def get_kvcache(self):   # the controller's allocator stand-in, too
+                return self
+
+            def register_layer_transfer_counter(self, counter):
+                self.layer_transfer_counter = counter
+
+        _DSA_DEVICE_CLS.append(DsaDevicePool)
+    return _DSA_DEVICE_CLS[0]
+
+
+def dsa_device_pool(*, layers=2, page_size=4, tokens=32, bytes_per_token=6, device="cpu"):
+    """The attributes DSAIndexerPoolHost (and the controller) read from its DSATokenToKVPool."""
+    bufs = [torch.zeros(tokens // page_size + 1, page_size * bytes_per_token, dtype=torch.uint8,
+                        device=device) for _ in range(layers)]
+    return _dsa_device_cls()(
         layer_shard_enabled=False, skip_topk_layers=[False] * layers, store_dtype=torch.uint8,
-        start_layer=0, end_layer=layers, layer_num=layers, device="cpu", page_size=page_size,
-        index_k_with_scale_buffer=[torch.zeros(tokens // page_size + 1,
-                                               page_size * bytes_per_token, dtype=torch.uint8)
-                                   for _ in range(layers)])
+        dtype=torch.uint8, start_layer=0, end_layer=layers, layer_num=layers, device=device,
+        page_size=page_size, index_key_cache=SimpleNamespace(buffer=bufs))
 
 
-def dsa_indexer_pool(S, anchor, *, bytes_per_token=6, allocator="shm"):
+def dsa_indexer_pool(S, anchor, *, bytes_per_token=6, allocator="shm", device_pool=None):
     from sglang.srt.mem_cache.hicache_storage import PoolName
-    dev = dsa_device_pool(layers=anchor.layer_num, page_size=anchor.page_size,
-                          bytes_per_token=bytes_per_token)
+    dev = device_pool or dsa_device_pool(layers=anchor.layer_num, page_size=anchor.page_size,
+                                         bytes_per_token=bytes_per_token)
     decl = S.HostPoolDecl(pool_name=PoolName.INDEXER, device_pool=dev,
                           indices_from_pool=PoolName.KV, layout_source=PoolName.KV,
                           storage_info=S.HostPoolStorageInfo(
                               bytes_per_token_per_layer=bytes_per_token, dtype=torch.uint8),
                           host_pool_builder=None)
-    return S.DSAIndexerPoolHost(decl, anchor, pin_memory=False, device="cpu",
+    # pinned where a server pins it (its builder's default), on a GPU box
+    return S.DSAIndexerPoolHost(decl, anchor, pin_memory=dev.device == "cuda", device="cpu",
                                 allocator_type=allocator)
 
 
@@ -178,19 +206,25 @@ def hybrid_pools(S, g: dict, *, kv_pages: int, prefixes: int) -> SimpleNamespace
     """SGLang's real host pools of geometry `g`: `kv_pages` KV pages (plus
     SGLang's padding), and the sidecar pool: one Mamba slot or one SWA
     window per prefix, or the DSA indexer over the KV pool. All on the shm
-    allocator."""
+    allocator, in the page_first_direct layout (the Mamba pool takes the KV
+    pool's, as SGLang's build_hybrid_mamba_stack does). `device`: the DSA
+    device pool stand-in (None for the MHA models)."""
     P, tokens = g["page_size"], kv_pages * g["page_size"] // 2   # the builders double it
-    out = SimpleNamespace(kv=None, mamba=None, swa=None, indexer=None)
+    out = SimpleNamespace(kv=None, mamba=None, swa=None, indexer=None, device=None)
     if g["kv"] == "mla":
         out.kv = mla_pool(S, layout="page_first_direct", layers=g["layers"], page_size=P,
                           tokens=tokens, rank=g["rank"], rope=g["rope"])
-        out.indexer = dsa_indexer_pool(S, out.kv, bytes_per_token=g["indexer_bytes"])
+        out.device = dsa_device_pool(layers=g["layers"], page_size=P,
+                                     bytes_per_token=g["indexer_bytes"],
+                                     device=sglang_real._device())
+        out.indexer = dsa_indexer_pool(S, out.kv, bytes_per_token=g["indexer_bytes"],
+                                       device_pool=out.device)
     else:
         out.kv = mha_pool(S, layout="page_first_direct", layers=g["layers"], heads=g["heads"],
                           head_dim=g["head_dim"], page_size=P, tokens=tokens)
     if "mamba_layers" in g:
         out.mamba = mamba_pool(S, layers=g["mamba_layers"], slots=prefixes,
-                               temporal=g["temporal"], conv=g["conv"])
+                               temporal=g["temporal"], conv=g["conv"], layout="page_first_direct")
     if "swa_layers" in g:
         out.swa = mha_pool(S, layout="page_first_direct", layers=g["swa_layers"],
                            heads=g["heads"], head_dim=g["head_dim"], page_size=P,
