@@ -24,6 +24,8 @@ from .ops import READ, WRITE, Op
 log = logging.getLogger("hicache_mp")
 _IS_READ_MISS = np.zeros(256, dtype=bool)  # by status code: a read result that heals the index
 _IS_READ_MISS[list(st.READ_MISSES)] = True
+_IS_DAMAGED = np.zeros(256, dtype=bool)    # ... and its file is there but bad (index.py)
+_IS_DAMAGED[list(st.READ_DAMAGED)] = True
 
 
 class Books:
@@ -49,7 +51,8 @@ class Books:
                 self._index.add(op.digests[pos])
         else:
             if op.kind == READ and code in st.READ_MISSES:
-                self._index.discard(op.digests[pos])  # the index was stale: heal it
+                # the index was stale: heal it
+                self._index.discard(op.digests[pos], damaged=code in st.READ_DAMAGED)
             self._log_cause(op.kind, code, err)
         if op._complete(pos, code, io_ns, now_ns):
             self._retire(op, now_ns)
@@ -92,8 +95,9 @@ class Books:
             bad = ~ok
             if op.kind == READ:
                 discard = self._index.discard  # the index was stale: heal it
-                for p in pos[bad & _IS_READ_MISS[codes]].tolist():
-                    discard(digests[p])
+                for p, code in zip(pos[bad & _IS_READ_MISS[codes]].tolist(),
+                                   codes[bad & _IS_READ_MISS[codes]].tolist()):
+                    discard(digests[p], damaged=bool(_IS_DAMAGED[code]))
             for code, err in set(zip(codes[bad].tolist(), errs[bad].tolist())):
                 self._log_cause(op.kind, code, err)
         if op._complete_many(pos, codes, gilkeep.total(io_ns), now_ns):

@@ -53,7 +53,7 @@ class Draining:
         if gilkeep.any_(probes):
             hits = core._discovery.answered(recs["digest"][probes].tobytes(),
                                             (recs["status"][probes] == st.OK).tolist())
-            add = core._index.add
+            add = core._index.add_found
             for digest in hits:
                 add(digest)
             recs = recs[~probes]

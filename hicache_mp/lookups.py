@@ -136,5 +136,5 @@ class Lookups:
         found = StoreIndex(self._store)
         found.scan()
         with self._lock:
-            self._index.digests |= found.digests
+            self._index.add_scanned(found.digests)
             return len(self._index)

@@ -53,3 +53,6 @@ NAMES = {int(s): s.label for s in Status}
 
 # Statuses that mean "the file is not a usable page", counted as misses.
 READ_MISSES = (MISS, CORRUPT, FOREIGN, WRONG_KEY, UNREADABLE, UNVERIFIED)
+# Of those, a file that is there but damaged: the probe would find it again
+# by its name and size, so the index distrusts it (hicache_mp.index).
+READ_DAMAGED = (CORRUPT, FOREIGN, WRONG_KEY, UNVERIFIED)

@@ -85,6 +85,11 @@ The store's side (wall-clock file times, shared with other hosts):
     EVICT_REPORT_WAIT_S 1 s   the evictor waits this long for room to report a
                               removal (polling every EVICT_REPORT_POLL_S, 5 ms)
     STOP_GRACE_S       2 s    a child asked to stop has this long before SIGKILL
+    DAMAGED_TTL_S      60 s   a page file a read found damaged (right size, bad
+                              header, another key's, bad checksum) is not
+                              believed found again by a probe or rescan for this
+                              long, unless this process writes it anew: a
+                              repair by another host is seen after it
     LEASE_S            10 s   the eviction lease expires this long after its
                               holder's last refresh, so a dead holder is replaced
                               with no pid check (meaningless on another node)
@@ -130,6 +135,7 @@ TOUCH_INTERVAL_S = 1.0
 EVICT_REPORT_WAIT_S = 1.0
 EVICT_REPORT_POLL_S = 0.005
 STOP_GRACE_S = 2.0
+DAMAGED_TTL_S = 60.0
 LEASE_S = 10.0
 FUTURE_SLACK_S = 60.0
 FOREIGN_TMP_STALE_S = 3600.0

@@ -379,7 +379,6 @@ def _get_state(rank, key, slot):
 
 
 # Damage that leaves the file its right size: only a read can tell.
-SAME_SIZE = ("magic", "header_crc_area", "payload_with_checksums", "another_keys_state")
 
 
 def _backed_up_again_is_whole(rank, truth, keys, how):
@@ -402,9 +401,10 @@ def _restorable(rank, keys):
 def test_a_damaged_mamba_state_file_is_a_miss_never_a_wrong_state(ranks, zero_copy):
     """Each kind of damage on its own prefix: the read is False (staged, the
     slot untouched), and so is every later read, whatever exists() said in
-    between. Damage that changes the file's size is no longer claimed
-    restorable, and a new backup makes the state whole again (for damage that
-    keeps the size, see the xfail tests below)."""
+    between. No damaged state is claimed restorable after its read failed,
+    whether the damage changed the file's size or not (a probe finds a
+    right-sized file again: the index distrusts it), and a new backup makes
+    the state whole again."""
     rank = ranks(hybrid=True, zero_copy=zero_copy, write_checksum=True, num_workers=1)
     truth = Truth(rank, 3)
     for how, damage in sorted(DAMAGE.items()):
@@ -416,11 +416,9 @@ def test_a_damaged_mamba_state_file_is_a_miss_never_a_wrong_state(ranks, zero_co
             assert _get_state(rank, keys[-1], 5) == {PoolName.MAMBA: [False]}, how
             if not zero_copy:
                 assert torch.equal(mamba_bytes(rank.mamba, 5), before), how  # staged: untouched
-            restorable = _restorable(rank, keys)
-            if how not in SAME_SIZE:
-                assert restorable == [], (how, restorable)
-        if how not in SAME_SIZE:
-            _backed_up_again_is_whole(rank, truth, keys, how)
+            time.sleep(0.05)  # a probe's answer lands in the index by the next call
+            assert _restorable(rank, keys) == [], how
+        _backed_up_again_is_whole(rank, truth, keys, how)
 
 
 def test_with_quarantine_every_damaged_state_is_a_miss_until_backed_up_again(ranks):
@@ -439,16 +437,6 @@ def test_with_quarantine_every_damaged_state_is_a_miss_until_backed_up_again(ran
         _backed_up_again_is_whole(rank, truth, keys, how)
 
 
-SAME_SIZE_BUG = (
-    "reported (issue 23 fault suite): a read that finds a right-sized page file damaged "
-    "(bad header, another key's, bad payload checksum) makes the index forget the page, "
-    "but the next exists() asks a worker to probe the store, whose exists() looks at the "
-    "file's size only, so the page is known again: the prefix is claimed restorable on "
-    "every later call, every read of it fails, and a new backup of it is skipped as "
-    "already stored (reported True) and leaves the damage in place. quarantine_bad_files "
-    "avoids it")
-
-
 def _damaged_then_asked(rank, truth, how):
     keys, path, other = _stored_prefix(rank, truth, how)
     DAMAGE[how](path, other)
@@ -459,15 +447,16 @@ def _damaged_then_asked(rank, truth, how):
     return keys, restorable
 
 
-@pytest.mark.xfail(strict=True, reason=SAME_SIZE_BUG)
 def test_a_right_sized_damaged_state_is_not_claimed_again_after_its_read_failed(ranks):
+    """A right-sized file with a bad header: the probe finds it again by name
+    and size, and the index does not believe it (hicache_mp.index)."""
     rank = ranks(hybrid=True, num_workers=1)
     keys, restorable = _damaged_then_asked(rank, Truth(rank, 6), "magic")
     assert restorable == [], restorable
 
 
-@pytest.mark.xfail(strict=True, reason=SAME_SIZE_BUG)
 def test_a_right_sized_damaged_state_backed_up_again_is_whole(ranks):
+    """... and a new backup of it is written, not skipped as stored."""
     rank = ranks(hybrid=True, num_workers=1)
     truth = Truth(rank, 7)
     keys, _ = _damaged_then_asked(rank, truth, "magic")
