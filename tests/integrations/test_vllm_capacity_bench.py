@@ -1,0 +1,35 @@
+"""scripts/bench_vllm_capacity.py --quick end to end: vLLM's real tiering classes, real
+workers, a real evictor process and page files, under storage_max_bytes."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed; install it with "
+                "`pip install --no-deps -r .ci/vllm-requirements.txt`", allow_module_level=True)
+
+
+def test_capacity_bench_stays_under_the_limit_and_keeps_new_pages(tmp_path):
+    out = tmp_path / "capacity.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    proc = subprocess.run([sys.executable, "scripts/bench_vllm_capacity.py", "--quick",
+                           "--gap-s", "0.5", "--eviction-interval-s", "0.1",
+                           "--store", str(tmp_path / "store"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    page = res["args"]["row_bytes"] + 4096
+    assert res["written_bytes"] > 2 * res["limit_bytes"]
+    # Disk use, temp files of writes in flight included (one a worker at most).
+    assert res["peak_store_bytes"] <= res["limit_bytes"] + res["args"]["workers"] * page + 4096
+    assert res["metrics"]["evicted_pages"] > 0
+    # The evictor made room: more pages landed than the limit holds, the newest among them.
+    assert sum(r["pages_written"] for r in res["rounds"]) > res["args"]["limit_rows"]
+    assert res["last_round_load"]["rows_ok"] >= 1
+    assert res["last_round_load"]["wrong_bytes"] == 0
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("vllm_offload_bench-")]
