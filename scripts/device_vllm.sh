@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The vLLM tier's figures on the GPU box, in one command (about 5 minutes on
-# 16 cores; its timeouts add up to 9 and a half): installs from .whl-vllm/ (made beforehand by
-# scripts/device_vllm_wheels.sh on a machine with PyPI; carry .whl-vllm) the
-# wheels into $deps and the stripped vLLM into /tmp/vllm, marked +cpu so vLLM
+# 16 cores; its timeouts add up to 9 min 10 s): installs from .whl-vllm/ (made
+# beforehand by scripts/device_vllm_wheels.sh on a machine with PyPI; carry
+# .whl-vllm) the wheels into $deps and the stripped vLLM into /tmp/vllm, marked +cpu so vLLM
 # takes its CPU platform (the tier moves no GPU bytes; no CUDA platform init),
 # then runs
 #  - scripts/bench_vllm_tier.py: 2 MiB rows (Llama-3.1-8B, one 16-token
