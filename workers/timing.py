@@ -16,6 +16,10 @@ announces:
                               of post -> running again) is worth waking ahead
                               of a batch's end for (waiters note 9); idle, it
                               takes microseconds and a waiter wakes at the end
+    AHEAD_SHARE        0.75   ... and wakes ahead by this share of that delay: a
+                              little less than all of it, so the batch is
+                              mostly done when the GIL comes back and a spin
+                              (below) is the exception
     SPIN_CAP_S         2 ms   woken ahead with the GIL back, a waiter drains
                               (GIL held) at most this long for the batch's last
                               pages before it sleeps again: well under the
@@ -102,6 +106,7 @@ The store's side (wall-clock file times, shared with other hosts):
 
 # --- the scheduler's side ---------------------------------------------------------
 AHEAD_MIN_S = 0.001
+AHEAD_SHARE = 0.75
 SPIN_CAP_S = 0.002
 NO_TARGET_CAP_S = 0.005
 DEVICE_WAIT_SLICE_S = 0.002
