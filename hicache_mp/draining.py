@@ -51,12 +51,14 @@ class Draining:
             return 0
         probes = gilkeep.eq(recs["kind"], KIND_PROBE)
         if gilkeep.any_(probes):
-            hits = core._discovery.answered(recs["digest"][probes].tobytes(),
-                                            (recs["status"][probes] == st.OK).tolist())
+            # up to PROBE_MAX answers at once: chunked, so no numpy loop lets the GIL go
+            answers = gilkeep.take(recs, gilkeep.where(probes))
+            hits = core._discovery.answered(answers["digest"].tobytes(),
+                                            gilkeep.eq(answers["status"], st.OK).tolist())
             add = core._index.add_found
             for digest in hits:
                 add(digest)
-            recs = recs[~probes]
+            recs = gilkeep.take(recs, gilkeep.where(gilkeep.eq(probes, False)))
             n = len(recs)
             if not n:
                 return 0

@@ -50,7 +50,8 @@ def copy(src: np.ndarray) -> np.ndarray:
 
 def put_bytes(dst: np.ndarray, src: np.ndarray) -> None:
     """dst[:] = src for contiguous arrays of the same dtype and length (memcpy)."""
-    memoryview(dst).cast("B")[:] = memoryview(src).cast("B")
+    # through uint8 views: a structured dtype's memoryview does not cast
+    memoryview(dst.reshape(-1).view(np.uint8))[:] = memoryview(src.reshape(-1).view(np.uint8))
 
 
 def concat(parts, dtype) -> np.ndarray:
