@@ -7,6 +7,7 @@ catches a corrupted page), and the JSON report's fields.
 """
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -239,3 +240,72 @@ def test_a_run_on_a_busy_machine_says_so(report):
             "file": {"backend": "file", "load_avg": [7.25, 3.0]}}
     note = busy_machine_note(busy, cpus=2)
     assert note.startswith("Note: this machine was busy (1-minute load average up to 7.2 on 2 CPUs)")
+
+
+def test_gpu_time_adds_up_and_says_what_the_gpu_waited_for(report):
+    """busy + idle by cause + the loop's lateness = the run; `none` never waits for
+    storage, `mp` waits for its first prefetch before its first batch."""
+    for label, run in report["runs"].items():
+        g = run["gpu"]
+        assert set(g["wait_s"]) == {"prefetch", "device", "slots", "arrival"}, label
+        parts = g["busy_s"] + sum(g["wait_s"].values()) + g["late_s"]
+        assert parts == pytest.approx(run["duration_s"], abs=1e-6), label
+        assert 0 <= g["late_max_s"] <= g["late_s"] and g["start_s"] >= 0, label
+        res = report["_results"][label]
+        assert all(b[3] > 0 for b in res.batches), label   # no zero-token batch
+        assert run["extra"]["gpu_start_s"] == g["start_s"]
+    none, mp = report["runs"]["none"]["gpu"], report["runs"]["mp"]["gpu"]
+    assert none["wait_s"]["prefetch"] == 0 and none["wait_s"]["device"] == 0
+    assert mp["wait_s"]["prefetch"] > 0 and mp["start_s"] > none["start_s"]
+    first = mp["first_prefetch"]
+    assert first["rid"] == 0 and 0 <= first["submit_s"] <= first["done_s"] <= mp["start_s"] + 0.01
+
+
+class _SlowCopies:
+    """A load handle that finishes DELAY_S after the real one: a GPU's copies take
+    time, the CPU fallback's are done when issued."""
+    DELAY_S = 0.03
+
+    def __init__(self, real):
+        self.real, self.op, self._at = real, real.op, None
+
+    @property
+    def done(self):
+        if not self.real.done:
+            return False
+        if self._at is None:
+            self._at = time.perf_counter() + self.DELAY_S
+        return time.perf_counter() >= self._at
+
+    def wait(self, timeout_s=None):
+        ok = self.real.wait(timeout_s)
+        time.sleep(self.DELAY_S)
+        return ok
+
+
+def test_kv_still_on_its_way_to_the_device_holds_no_gpu_time(tmp_path, monkeypatch):
+    """A ready request whose pages are still loading is skipped: the GPU's wait is
+    put down to the device, running requests keep decoding, and no zero-token
+    prefill is recorded in the meantime."""
+    from hicache_mp.device import DeviceLoader
+    real_load = DeviceLoader.load
+
+    def slow_load(self, op, device_pages, **kw):
+        h = _SlowCopies(real_load(self, op, device_pages, **kw))
+        op.device_event = h   # what the scheduler waits on before freeing the slots
+        return h
+
+    monkeypatch.setattr(DeviceLoader, "load", slow_load)
+    bench = Bench(_cfg(tmp_path, runs=("mp",), device_load="on"), log=lambda m: None)
+    got = {}
+    rep = bench.run(on_result=lambda label, res, figs: got.update(res=res))
+    run, res = rep["runs"]["mp"], got["res"]
+    assert run["summary"]["total_requests"] == N and not run["verify"]["failures"]
+    assert all(b[3] > 0 for b in res.batches)
+    g = run["gpu"]
+    # At least the first request's wait (less what a late loop step hides: a batch
+    # starts at its iteration's first clock reading).
+    assert g["wait_s"]["device"] > 0
+    assert g["busy_s"] + sum(g["wait_s"].values()) + g["late_s"] == \
+        pytest.approx(run["duration_s"], abs=1e-6)
+    assert _ours_in_shm() == []

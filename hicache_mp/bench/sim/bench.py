@@ -23,6 +23,7 @@ from hicache_mp import EngineConfig, PageGeometry, make_engine
 from workers import naming
 from workers.stores import open_store
 
+from .gputime import gpu_figures
 from .instant import InstantStore
 from .pagebytes import PageBytes
 from .scheduler import RunResult, Scheduler, SchedulerConfig
@@ -346,12 +347,17 @@ def figures(res: RunResult, page_size: int) -> dict:
     prefetch, backup = op_stats(res.prefetch), op_stats(res.backups)
     m = res.engine_metrics
     h2d = [(r.h2d_seen_ns - r.done_ns) / 1e6 for r in res.prefetch if r.h2d_seen_ns and r.done_ns]
+    gpu = gpu_figures(res)
     extra = {
         "prefetch_gbps_mean": prefetch["gbps_mean"],
         "h2d_after_io_ms_mean": _mean(h2d),
         "prefetch_gbps_p10": prefetch["gbps_p10"],
         "loop_iters_per_s": res.loop_iters / res.duration_s if res.duration_s else None,
         "backup_gbps": backup["gbps_mean"],
+        "gpu_start_s": gpu.get("start_s"),
+        "gpu_wait_prefetch_s": gpu.get("wait_s", {}).get("prefetch"),
+        "gpu_wait_device_s": gpu.get("wait_s", {}).get("device"),
+        "loop_late_ms": gpu["late_s"] * 1e3 if "late_s" in gpu else None,
     }
     return {
         "backend": res.backend, "policy": res.policy, "yield_ms": res.yield_ms,
@@ -371,7 +377,9 @@ def figures(res: RunResult, page_size: int) -> dict:
             for r in res.requests],
         "batches": {"prefill": sum(1 for b in res.batches if b[0] == "prefill"),
                     "decode": sum(1 for b in res.batches if b[0] == "decode")},
+        "gpu": gpu,
     }
+
 
 
 def comparison(runs: dict) -> dict:

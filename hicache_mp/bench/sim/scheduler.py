@@ -2,7 +2,8 @@
 
 Owns the loop and its bookkeeping: request states, host slots, prefetch
 policy checks, chunked prefill and decode charged by the `ComputeModel`,
-write-back of computed pages, and the raw measurements (`RunResult`). Must
+write-back of computed pages, and the raw measurements (`records.RunResult`,
+with `gputime.GpuTime`'s account of the GPU's idle time by cause). Must
 not do page I/O (the engine does) nor format output (`summary`, `bench`).
 
 Every iteration stands for one pass of SGLang 0.5.23's
@@ -24,7 +25,8 @@ Every iteration stands for one pass of SGLang 0.5.23's
      finish it (first tokens, decode tokens, write-back of newly full pages
      through `backup`, SGLang's `write_backup_storage`); if the "GPU" is idle,
      start the next batch, a chunked prefill of ready requests (FIFO,
-     `chunk_tokens` budget) before a decode step of running requests; with
+     `chunk_tokens` budget; a request whose KV is still on its way to the
+     device is skipped) before a decode step of running requests; with
      nothing to run, `on_idle` and round again;
   6. with `yield_ms`, sleep (the user's `time.sleep(0.001)` workaround);
      otherwise go round at once.
@@ -50,8 +52,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
-
+from .gputime import GpuTime
+from .records import OpRecord, RunResult, op_record  # noqa: F401 (OpRecord, RunResult: API)
 from .slots import HostSlots
 from .summary import RequestResult
 from .workload import ComputeModel, Request
@@ -81,52 +83,12 @@ class SchedulerConfig:
 
 
 @dataclass
-class OpRecord:
-    rid: int
-    kind: str
-    pages: int
-    ok_pages: int
-    nbytes: int
-    status: str
-    submit_ns: int
-    first_ns: int
-    done_ns: int
-    seen_ns: int                     # when the scheduler acted on it (0: never needed to)
-    io_ns: int
-    gbps: float | None
-    landed_ns: np.ndarray
-    worker_of: np.ndarray | None
-    h2d_seen_ns: int = 0             # when the scheduler saw every landed page on the device
-
-
-@dataclass
 class Batch:
     kind: str                        # prefill | decode
     start_s: float
     end_s: float
     items: list                      # [(req, tokens)]
     finished_some: bool = False      # finishing it finished some request
-
-
-@dataclass
-class RunResult:
-    name: str
-    backend: str
-    policy: str
-    yield_ms: float
-    t0_ns: int
-    duration_s: float
-    loop_iters: int
-    requests: list[RequestResult]
-    hit_tokens: list[int]
-    prefetch: list[OpRecord]
-    backups: list[OpRecord]
-    batches: list[tuple]             # (kind, start_s, end_s, tokens, requests)
-    verified_pages: int
-    verify_failures: list[int]       # rids whose first page held wrong bytes
-    backup_skipped_pages: int
-    slots_low_water: int
-    engine_metrics: dict
 
 
 class _Req:
@@ -177,6 +139,8 @@ class Scheduler:
         self.done_backup: list[tuple] = []
         self.batches: list[tuple] = []
         self.verified, self.verify_failures, self.backup_skipped = 0, [], 0
+        self._device_wait = False        # _next_batch skipped a request whose KV is still loading
+        gpu = GpuTime()
         total = len(self.requests)
         batch: Batch | None = None
         yield_s = cfg.yield_ms / 1000.0
@@ -233,6 +197,7 @@ class Scheduler:
             # 5. run_batch / process_batch_result; on_idle when nothing runs
             if batch is not None and now_s >= batch.end_s:
                 self._finish(batch, now_s)
+                gpu.finished(batch, now_s)
                 n = len(self.finished)
                 if cfg.progress and batch.finished_some and (
                         n // cfg.progress_every > reported // cfg.progress_every or n == total):
@@ -245,10 +210,15 @@ class Scheduler:
                 cfg.progress(len(self.finished), total, now_s)
             if batch is None:
                 batch = self._next_batch(now_s, now_ns)
-                if batch is None and cfg.idle_sleep0 and self.prefetching:
-                    # on_idle of SGLang 0.5.23: not fully idle, storage on ->
-                    # time.sleep(0), "storage workers need the GIL between I/O calls".
-                    time.sleep(0)
+                if batch is not None:
+                    gpu.started(now_s)
+                else:
+                    gpu.idle(now_s, "device" if self._device_wait else "prefetch"
+                             if self.prefetching else "slots" if lookup else "arrival")
+                    if cfg.idle_sleep0 and self.prefetching:
+                        # on_idle of SGLang 0.5.23: not fully idle, storage on ->
+                        # time.sleep(0), "storage workers need the GIL between I/O calls".
+                        time.sleep(0)
             # 6. the user's workaround (not SGLang's)
             if yield_s:
                 time.sleep(yield_s)
@@ -274,21 +244,29 @@ class Scheduler:
             yield_ms=cfg.yield_ms, t0_ns=t0, duration_s=duration_s, loop_iters=iters,
             requests=[self._result(q) for q in finished],
             hit_tokens=[q.hit_pages * ps for q in finished],
-            prefetch=sorted((_record(rid, op, seen, self.h2d_seen.get(getattr(op, "id", None), 0))
+            prefetch=sorted((op_record(rid, op, seen, self.h2d_seen.get(getattr(op, "id", None), 0))
                              for rid, op, seen in self.done_prefetch),
                             key=lambda o: o.submit_ns),
-            backups=sorted((_record(rid, op, seen) for rid, op, seen in self.done_backup),
+            backups=sorted((op_record(rid, op, seen) for rid, op, seen in self.done_backup),
                            key=lambda o: o.submit_ns),
             batches=self.batches, verified_pages=self.verified,
             verify_failures=self.verify_failures, backup_skipped_pages=self.backup_skipped,
-            slots_low_water=self.slots.low_water, engine_metrics=metrics)
+            slots_low_water=self.slots.low_water, engine_metrics=metrics, gpu=gpu.to_dict())
 
     # --- steps ----------------------------------------------------------------
     def _check_prefetches(self, now_ns: int) -> None:
+        timeout = self.cfg.policy == "timeout"
+        # Most iterations settle nothing (pages are still on their way): one
+        # pass that builds no list then.
+        for q in self.prefetching:
+            if q.op.done or (timeout and q.op.ready(now_ns)):
+                break
+        else:
+            return
         still = []
         for q in self.prefetching:
             op = q.op
-            if op.done or (self.cfg.policy == "timeout" and op.ready(now_ns)):
+            if op.done or (timeout and op.ready(now_ns)):
                 self._settle(q, now_ns)
                 self.ready.append(q)
             else:
@@ -336,6 +314,11 @@ class Scheduler:
         self.consumed = keep
 
     def _retire_backups(self) -> None:
+        for item in self.backups:
+            if item[1].done:
+                break
+        else:
+            return  # none done: most iterations
         keep = []
         for item in self.backups:
             rid, op, slots = item
@@ -353,6 +336,7 @@ class Scheduler:
             # SGLang checks a best_effort prefetch when it schedules the request,
             # and ends it there with whatever has landed.
             queue = sorted(self.ready + self.prefetching, key=_fifo)
+        self._device_wait = False
         if queue:
             budget = cfg.compute.chunk_tokens
             items = []
@@ -365,6 +349,7 @@ class Scheduler:
                     self.ready.append(q)
                 if q.op is not None:  # first chunk: its pages go to the GPU now
                     if q.h2d is not None and not q.h2d.done:
+                        self._device_wait = True
                         continue  # its KV is still on the way to the device
                     self.consumed.append((q.op, q.slots, q.r.rid, q.seen_ns))
                     q.op = None
@@ -372,8 +357,11 @@ class Scheduler:
                 items.append((q, take))
                 budget -= take
             self.ready.sort(key=_fifo)
-            tokens = sum(t for _, t in items)
-            return Batch("prefill", now_s, now_s + cfg.compute.prefill_s(tokens), items)
+            if items:
+                tokens = sum(t for _, t in items)
+                return Batch("prefill", now_s, now_s + cfg.compute.prefill_s(tokens), items)
+            # Every ready request's KV is still on the way to the device: none
+            # can be scheduled (SGLang's prefill skips them), so decode goes on.
         if self.running:
             return Batch("decode", now_s, now_s + cfg.compute.decode_s(1),
                          [(q, 1) for q in self.running])
@@ -436,13 +424,3 @@ class Scheduler:
 
 def _fifo(q: _Req):
     return (q.admit_s, q.r.rid)
-
-
-def _record(rid: int, op, seen_ns: int, h2d_seen_ns: int = 0) -> OpRecord:
-    return OpRecord(rid=rid, kind=op.kind, pages=op.num_pages, ok_pages=op.ok_pages,
-                    nbytes=op.ok_pages * op.page_bytes, status=op.status,
-                    submit_ns=op.submit_ns, first_ns=op.first_ns, done_ns=op.done_ns,
-                    seen_ns=seen_ns, io_ns=op.io_ns, gbps=op.gbps,
-                    landed_ns=np.asarray(op.landed_ns, dtype=np.int64),
-                    worker_of=None if op.worker_of is None else np.asarray(op.worker_of),
-                    h2d_seen_ns=h2d_seen_ns)

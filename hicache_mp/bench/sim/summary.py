@@ -18,7 +18,9 @@ of one run (`format_summary`), of several backends side by side
 
 Backend-specific figures (`extra` / comparison rows) use EXTRA_LABELS keys:
   prefetch_gbps_mean, prefetch_gbps_p10, loop_iters_per_s, backup_gbps,
-  h2d_after_io_ms_mean (only when pages are loaded to a device)
+  h2d_after_io_ms_mean (only when pages are loaded to a device),
+  gpu_start_s, gpu_wait_prefetch_s, gpu_wait_device_s, loop_late_ms (where
+  the simulated GPU's time went: hicache_mp.bench.sim.gputime)
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ EXTRA_LABELS = {
     "loop_iters_per_s": "Scheduler loop it/s",
     "backup_gbps": "Backup GB/s",
     "h2d_after_io_ms_mean": "H2D after last page landed (ms)",
+    "gpu_start_s": "GPU idle before first batch (s)",
+    "gpu_wait_prefetch_s": "GPU idle, waiting for prefetch (s)",
+    "gpu_wait_device_s": "GPU idle, waiting for H2D (s)",
+    "loop_late_ms": "Loop late at batch ends (ms, sum)",
 }
 
 
