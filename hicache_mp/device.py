@@ -88,6 +88,7 @@ class DeviceLoader:
         self._closed = False
         self._registration = None
         self._loads: list[LoadHandle] = []
+        self._looked_at = None  # the engine's completion count when step() last looked at _loads
         self._stores: list[StoreHandle] = []
         # Everything is moved as 8-byte words when the run allows it: wider loads for
         # the gather/scatter kernels, and the dtype does not matter to them.
@@ -216,15 +217,15 @@ class DeviceLoader:
         """Issue copies for newly landed pages; submit backups whose copies finished.
 
         Non-blocking and cheap when there is nothing to do: call it every
-        scheduler loop, after engine.poll(). Returns the pages issued.
+        scheduler loop, after engine.poll() (an attached engine's poll() calls
+        it, and then a step after which no page landed costs one compare,
+        however many loads are in flight). Returns the pages issued.
         """
         if self._closed:
             return 0
         n = 0
         if self._loads:
-            for h in self._loads:
-                n += self._advance(h)
-            self._loads = [h for h in self._loads if not h.all_issued]
+            n = self._step_loads()
         if self._stores:
             self._submit_backups()
         return n
@@ -263,6 +264,31 @@ class DeviceLoader:
         return out
 
     # --- loads --------------------------------------------------------------
+    def _step_loads(self) -> int:
+        eng = self.engine
+        if eng is None or getattr(eng, "loader", None) is not self:
+            return self._advance_all()
+        # Driven by the engine's poll() (attach_loader): every page outcome the
+        # engine applies to an op bumps its completion count (EngineCore._seq,
+        # hicache_mp.books), always under its lock, which poll() holds here. With
+        # no outcome since the last look, no load has a page to issue or has
+        # ended: one compare, however many loads are in flight (a scheduler
+        # polls far more often than pages land).
+        with eng._lock:
+            seq = eng._seq
+            if seq == self._looked_at:
+                return 0
+            n = self._advance_all()
+            self._looked_at = seq
+            return n
+
+    def _advance_all(self) -> int:
+        n = 0
+        for h in self._loads:
+            n += self._advance(h)
+        self._loads = [h for h in self._loads if not h.all_issued]
+        return n
+
     def _advance(self, h: LoadHandle) -> int:
         avail = h.available
         new = avail - h.issued
