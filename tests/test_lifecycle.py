@@ -58,3 +58,16 @@ def test_workers_import_no_torch(store):
         assert "libtorch" not in maps, "a worker loaded torch"
         rss_mb = psutil.Process(pid).memory_info().rss / 2**20
         assert rss_mb < 200, f"worker uses {rss_mb:.0f} MB"
+
+
+def test_a_worker_runs_only_its_own_threads(store):
+    """numpy's import would start OpenBLAS's thread pool in every worker (a
+    thread per core but one, and ~40 ms of its start); workers do no linear
+    algebra, so they run their main thread and their I/O lanes only."""
+    for depth in (1, 2):
+        with engine(store, pages=2, workers=1, io_depth=depth) as e:
+            pid = e._pool.workers[0].pid
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            assert b"OPENBLAS_NUM_THREADS=1" in env
+            # main thread + `depth` lanes (at depth 1, the write lane)
+            assert psutil.Process(pid).num_threads() <= 1 + depth
