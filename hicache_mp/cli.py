@@ -51,13 +51,17 @@ seconds, rates in GB/s = 1e9 bytes/s, lengths in tokens):
                   (last page landed -> all its pages seen on the device;
                   null without --device-load); null where a run moved no
                   bytes (none); gpu_start_s, gpu_wait_prefetch_s,
-                  gpu_wait_device_s, loop_late_ms (from gpu, below)
+                  gpu_wait_device_s, loop_late_ms (from gpu, below),
+                  page_cache_first (from page_cache, below)
       gpu         where the simulated GPU's time went (bench.sim.gputime):
                   start_s (first batch), busy_s, wait_s {prefetch, device,
                   slots, arrival} (idle, by what the loop waited for),
                   late_s, late_max_s (batch ended -> the loop saw it); they
                   sum to duration_s. first_prefetch {rid, pages, submit_s,
                   done_s, on_device_s} (from the run's start)
+      page_cache  {first_request, all}: share of those requests' stored
+                  prefix bytes in the page cache just before the run (null
+                  for none, or where mincore is not there)
       prefetch    ops, pages, ok_pages, bytes, gbps_mean, gbps_p10,
                   gbps_per_op [..], seconds_mean, statuses {ok: n, ...}
       backup      the same fields for write-backs, plus skipped_pages

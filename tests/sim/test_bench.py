@@ -309,3 +309,15 @@ def test_kv_still_on_its_way_to_the_device_holds_no_gpu_time(tmp_path, monkeypat
     assert g["busy_s"] + sum(g["wait_s"].values()) + g["late_s"] == \
         pytest.approx(run["duration_s"], abs=1e-6)
     assert _ours_in_shm() == []
+
+
+def test_storage_runs_say_how_much_of_the_store_was_in_the_page_cache(report):
+    for label, run in report["runs"].items():
+        share = run["page_cache"]
+        if label == "none":
+            assert share is None and run["extra"]["page_cache_first"] is None
+            continue
+        assert 0.0 <= share["first_request"] <= 1.0 and 0.0 <= share["all"] <= 1.0, label
+        # The warm-up wrote these few MB through the page cache a moment ago.
+        assert share["all"] > 0, label
+        assert run["extra"]["page_cache_first"] == share["first_request"]

@@ -25,6 +25,7 @@ from workers.stores import open_store
 
 from .gputime import gpu_figures
 from .instant import InstantStore
+from .pagecache import resident_share
 from .pagebytes import PageBytes
 from .scheduler import RunResult, Scheduler, SchedulerConfig
 from .summary import summarize
@@ -276,6 +277,10 @@ class Bench:
                 extra += f", pages loaded to {loader.device}"
             self.log(f"[{label}] running {len(self.requests)} requests "
                      f"(policy {cfg.policy}{', yield %g ms' % yield_ms if yield_ms else ''}{extra})")
+            # After the pool is made (its memory may have pushed store pages out of
+            # the page cache), before the clock starts.
+            cached = resident_share(open_store(store), engine.namespace, self.requests,
+                                    cfg.page_size) if backend != "none" else None
             sched = Scheduler(label, engine, self.requests, SchedulerConfig(
                 page_size=cfg.page_size, compute=self.compute, max_in_flight=MAX_IN_FLIGHT,
                 arrival_scale=self.arrival_scale, policy=cfg.policy, timeout_s=cfg.timeout_s,
@@ -283,7 +288,9 @@ class Bench:
                 key_salt=f"{self.nonce}.{label}:", verify=cfg.verify,
                 page_bytes_gen=self.pagebytes, max_run_s=cfg.max_run_s, loader=loader,
                 progress=lambda done, total, t: self._progress(label, engine, done, total, t)))
-            return sched.run()
+            res = sched.run()
+            res.page_cache = cached
+            return res
         finally:
             namespace = getattr(engine, "namespace", None)
             engine.close()
@@ -358,6 +365,7 @@ def figures(res: RunResult, page_size: int) -> dict:
         "gpu_wait_prefetch_s": gpu.get("wait_s", {}).get("prefetch"),
         "gpu_wait_device_s": gpu.get("wait_s", {}).get("device"),
         "loop_late_ms": gpu["late_s"] * 1e3 if "late_s" in gpu else None,
+        "page_cache_first": (res.page_cache or {}).get("first_request"),
     }
     return {
         "backend": res.backend, "policy": res.policy, "yield_ms": res.yield_ms,
@@ -378,6 +386,7 @@ def figures(res: RunResult, page_size: int) -> dict:
         "batches": {"prefill": sum(1 for b in res.batches if b[0] == "prefill"),
                     "decode": sum(1 for b in res.batches if b[0] == "decode")},
         "gpu": gpu,
+        "page_cache": res.page_cache,
     }
 
 

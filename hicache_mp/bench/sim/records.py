@@ -52,6 +52,7 @@ class RunResult:
     slots_low_water: int
     engine_metrics: dict
     gpu: dict | None = None          # gputime.GpuTime.to_dict(): where the GPU's time went
+    page_cache: dict | None = None   # pagecache.resident_share() just before the run
 
 
 def op_record(rid: int, op, seen_ns: int, h2d_seen_ns: int = 0) -> OpRecord:

@@ -20,7 +20,9 @@ Backend-specific figures (`extra` / comparison rows) use EXTRA_LABELS keys:
   prefetch_gbps_mean, prefetch_gbps_p10, loop_iters_per_s, backup_gbps,
   h2d_after_io_ms_mean (only when pages are loaded to a device),
   gpu_start_s, gpu_wait_prefetch_s, gpu_wait_device_s, loop_late_ms (where
-  the simulated GPU's time went: hicache_mp.bench.sim.gputime)
+  the simulated GPU's time went: hicache_mp.bench.sim.gputime),
+  page_cache_first (share of the first request's stored pages in the page
+  cache before the run: hicache_mp.bench.sim.pagecache)
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ EXTRA_LABELS = {
     "gpu_wait_prefetch_s": "GPU idle, waiting for prefetch (s)",
     "gpu_wait_device_s": "GPU idle, waiting for H2D (s)",
     "loop_late_ms": "Loop late at batch ends (ms, sum)",
+    "page_cache_first": "1st request's pages in page cache",
 }
 
 
