@@ -1,6 +1,7 @@
 """Fixtures shared by every test: nothing may be left behind.
 
-Every test is checked for leftover `hicache_mp.*` entries in /dev/shm and for
+Every test, and every test module as a whole (its module-scoped fixtures
+included), is checked for leftover `hicache_mp.*` entries in /dev/shm and for
 live `hicache_mp-worker` (and `hicache_mp-evictor`) processes, after a short grace period for exits.
 Entries and workers that belong to another live process tree (another test
 session on the same machine) are not ours and are ignored; anything whose
@@ -76,15 +77,28 @@ def _settle(check, timeout_s=3.0):
         time.sleep(0.05)
 
 
-@pytest.fixture(autouse=True)
-def nothing_left_behind():
+def _guard(what: str):
+    """Snapshot, run the body (the generator's caller), then fail on what is new."""
     shm_before = shm_entries()
     procs_before = worker_pids()
     yield
     shm_left = _settle(lambda: shm_entries() - shm_before)
     procs_left = _settle(lambda: worker_pids() - procs_before)
-    assert not shm_left, f"test left shared memory behind: {sorted(shm_left)}"
-    assert not procs_left, f"test left worker processes behind: {sorted(procs_left)}"
+    assert not shm_left, f"{what} left shared memory behind: {sorted(shm_left)}"
+    assert not procs_left, f"{what} left worker processes behind: {sorted(procs_left)}"
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    yield from _guard("test")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nothing_left_behind_by_the_module():
+    """The same check around each module: set up before, and torn down after,
+    any module-scoped fixture (an engine its tests share), so what such a
+    fixture made must be gone once the module is done."""
+    yield from _guard("module")
 
 
 @pytest.fixture
