@@ -12,9 +12,11 @@ from workers import status as st
 from helpers import engine, fill, random_pages
 
 
-@pytest.fixture
-def eng(store):
-    with engine(store, pages=16) as e:
+@pytest.fixture(scope="module")
+def eng(tmp_path_factory):
+    """One engine for the input checks: each one must leave it untouched (no op,
+    no page at a worker), which every case asserts, so they can share it."""
+    with engine(str(tmp_path_factory.mktemp("api")), pages=16) as e:
         yield e
 
 
