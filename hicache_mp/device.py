@@ -273,7 +273,7 @@ class DeviceLoader:
         # hicache_mp.books), always under its lock, which poll() holds here. With
         # no outcome since the last look, no load has a page to issue or has
         # ended: one compare, however many loads are in flight (a scheduler
-        # polls far more often than pages land).
+        # polls far more often than pages land; decision 83).
         with eng._lock:
             seq = eng._seq
             if seq == self._looked_at:

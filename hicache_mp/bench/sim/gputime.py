@@ -11,7 +11,7 @@ The parts sum to the run's duration: busy_s + sum(wait_s) + late_s. Against
 `none`, a run's extra TTFT is where its parts differ. The reference workload
 keeps the GPU saturated once its first batch runs, so a wait before that
 batch (`start_s`) shifts every later request by as much, and a wait or a
-late step later on shifts every request behind it.
+late step later on shifts every request behind it (decision 82).
 
 Causes of an idle GPU (the loop's state at the idle iteration that starts
 each interval):
