@@ -20,9 +20,10 @@ from workers.timing import ANSWER_LOST_S, PROBE_TTL_S
 # Keys probed per exists() call: a whole prefix another engine wrote must be
 # found in one call, because SGLang's hit query stops at the first short answer
 # and a hybrid model's trailing-page rule needs the prefix's last page (at 64,
-# a 256-page prefix read as 64 pages, and a Mamba prefix as none). A probe is
-# one stat on a worker; a full ring leaves the rest for the next call.
-PROBE_MAX = 1024
+# a 256-page prefix read as 64 pages, and a Mamba prefix as none), and a
+# vLLM step's lookups of a long request (2,000 chunks) go in one batch. A
+# probe is one stat on a worker; a full ring leaves the rest for the next call.
+PROBE_MAX = 4096
 _MEMORY = 1 << 16  # digests remembered for the negative cache, then forgotten at once
 
 

@@ -85,6 +85,9 @@ class Lookups:
         wait until they are answered or `deadline`."""
         with self._lock:
             self._check_open()
+            # Answers to earlier asks first: one left undrained past ANSWER_LOST_S
+            # (nobody polled: an idle server) would be taken for this ask's.
+            self._drain()
             waiting = self._probe(keys, whole)
         while waiting and time.monotonic() < deadline:
             self.poll()  # EngineClosed once closed

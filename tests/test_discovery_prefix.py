@@ -29,6 +29,22 @@ def test_one_exists_call_finds_a_whole_prefix_another_engine_wrote(store):
         assert (read_back(reader, range(PAGES)) == data).all()
 
 
+def test_one_exists_call_finds_a_2000_page_prefix_another_engine_wrote(store):
+    """SGLang asks about a long request's whole key list at once (and a vLLM
+    step's lookups of a 128K-token request are ~2,000 chunks): found in one
+    call, not a PROBE_MAX slice per call."""
+    n = 2000
+    keys = [f"long-{i}" for i in range(n)]
+    with engine(store, pages=n) as reader:
+        assert reader.exists(keys) == 0
+        with engine(store, pages=n) as writer:
+            fill(writer, range(n), random_pages(writer.geometry, n, seed=9))
+            op = writer.backup(keys, range(n))
+            assert writer.wait(op, 60) and op.status == "ok", op
+        time.sleep(PROBE_TTL_S + 0.05)
+        assert reader.exists(keys, wait_s=10.0) == n
+
+
 def test_a_cold_prefix_costs_the_store_one_stat_until_its_head_is_there(store):
     """A prefix whose first page is missing is no hit whatever follows: only its
     head is asked of the store; once the head is found, the rest is asked
@@ -85,3 +101,20 @@ def test_a_scheduler_polling_without_waiting_finds_a_prefix_in_three_calls(store
                 time.sleep(0.01)
         assert got == [0, 1, PAGES], got
         assert reader.metrics()["probes_sent"] == PAGES
+
+
+def test_an_answer_nobody_drained_is_not_taken_for_a_later_ask(store):
+    """An idle server polls nobody's rings: a probe's "missing" answer can sit
+    undrained past ANSWER_LOST_S, when a new ask of that key no longer waits
+    for it. Drained first, it is not taken for the new ask's answer, so the
+    pages written meanwhile are found."""
+    from workers.timing import ANSWER_LOST_S
+    keys = [f"idle-{i}" for i in range(8)]
+    with engine(store, pages=8) as reader:
+        assert reader.exists(keys) == 0            # its answer ("missing") is left undrained
+        with engine(store, pages=8) as writer:
+            fill(writer, range(8), random_pages(writer.geometry, 8, seed=11))
+            op = writer.backup(keys, range(8))
+            assert writer.wait(op, 60) and op.status == "ok", op
+        time.sleep(ANSWER_LOST_S + 0.1)
+        assert reader.exists(keys, wait_s=10.0) == 8
