@@ -11,7 +11,10 @@ set -u
 out=${1:?usage: scripts/device_gil.sh OUTDIR}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
-. scripts/device_deps.sh
+# lc and prefetch need only posix_ipc: a call that carries .whl-vllm instead
+# (scripts/device_vllm.sh installs it) sets DEPS_DIR to that install
+if [ -n "${DEPS_DIR:-}" ]; then export PYTHONPATH=$PWD:$DEPS_DIR${PYTHONPATH:+:$PYTHONPATH}
+else . scripts/device_deps.sh; fi
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1; nproc
 python3 -c "import numpy, sys; print('numpy', numpy.__version__, 'python', sys.version.split()[0])"
 step() {  # name limit cmd...: run, log to $out/name.log, say how it went
