@@ -71,3 +71,12 @@ def test_a_worker_runs_only_its_own_threads(store):
             assert b"OPENBLAS_NUM_THREADS=1" in env
             # main thread + `depth` lanes (at depth 1, the write lane)
             assert psutil.Process(pid).num_threads() <= 1 + depth
+
+
+def test_stopped_workers_exit_zero(store):
+    """A worker asked to stop leaves through os._exit (workers.child: no
+    interpreter teardown for close() to wait on) with its body's code, 0."""
+    e = engine(store, pages=2, workers=2)
+    children = [h.child for h in e._pool.workers]
+    e.close()
+    assert [c.returncode for c in children] == [0, 0]
