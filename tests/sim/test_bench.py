@@ -317,7 +317,7 @@ def test_storage_runs_say_how_much_of_the_store_was_in_the_page_cache(report):
         if label == "none":
             assert share is None and run["extra"]["page_cache_first"] is None
             continue
+        # A share, not a residency: other jobs on a shared box may drop the
+        # page cache at any time (test_pagecache checks the measurement).
         assert 0.0 <= share["first_request"] <= 1.0 and 0.0 <= share["all"] <= 1.0, label
-        # The warm-up wrote these few MB through the page cache a moment ago.
-        assert share["all"] > 0, label
         assert run["extra"]["page_cache_first"] == share["first_request"]
