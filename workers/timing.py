@@ -20,7 +20,7 @@ announces:
                               little less than all of it, so the batch is
                               mostly done when the GIL comes back and a spin
                               (below) is the exception
-    SPIN_CAP_S         2 ms   woken ahead with the GIL back, a waiter drains
+    SPIN_CAP_S         1 ms   woken ahead with the GIL back, a waiter drains
                               (GIL held) at most this long for the batch's last
                               pages before it sleeps again: well under the
                               switch interval a second sleep would cost
@@ -107,7 +107,7 @@ The store's side (wall-clock file times, shared with other hosts):
 # --- the scheduler's side ---------------------------------------------------------
 AHEAD_MIN_S = 0.001
 AHEAD_SHARE = 0.75
-SPIN_CAP_S = 0.002
+SPIN_CAP_S = 0.001
 NO_TARGET_CAP_S = 0.005
 DEVICE_WAIT_SLICE_S = 0.002
 PROBE_WAIT_SLICE_S = 0.05
