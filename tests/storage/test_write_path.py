@@ -14,8 +14,8 @@ import pytest
 
 from workers import naming
 
-from faultkit import BIG, MID, backup, capture_log, content, fingerprint, make, prefetch, put, \
-    stop_during_io, store_files, wrong_pages
+from faultkit import BIG, MID, backup, capture_log, content, fingerprint, make, open_files, \
+    page_file, prefetch, put, stop_when, store_files, wrong_pages
 from storagekit import cont, drop_cache, stop_workers
 
 
@@ -265,23 +265,34 @@ def _early(path: str) -> bool:
         return False
 
 
-def _write_caught_early(e, slot: int, at_worker=None):
+def _write_caught_early(e, slot: int, at_worker=None, tries: int = 40):
     """Back up one page with every worker stopped, and step the one that takes
     it until it is inside the write with under 2 MiB of the temp file written
-    (left stopped, the others too). Retries with new keys, shorter steps: a
-    write into the page cache can finish within one step. Returns (write op,
-    pids) or skips."""
-    for attempt, step in enumerate((0.0002, 0.0001, 0.00005, 0.00002, 0.00001)):
+    (left stopped, the others too). A write into the page cache mostly ends
+    within one step: a try is given up as soon as the write got past 2 MiB or
+    ended, and made again with a new key and the next step length (five tries
+    of 5 s each used to spin on after such a miss, and often skipped). Returns
+    (write op, pids) or skips."""
+    steps = (0.0002, 0.0001, 0.00005, 0.00002, 0.00001)
+    for attempt in range(tries):
         key = f"new-{attempt}"
         _fill(e, [key], [slot])
         pids = stop_workers(e)
         wop = e.backup([key], [slot])
-        if stop_during_io(pids[int(wop.worker_of[0])], _early, timeout_s=5.0, run_s=step):
+        pid, done = pids[int(wop.worker_of[0])], page_file(e, key)
+
+        def caught():
+            held = [p for p in open_files(pid) if naming.TMP_MARK in p]
+            if any(_early(p) for p in held):
+                return "early"
+            return "missed" if held or os.path.exists(done) else None
+
+        if stop_when(pid, caught, timeout_s=5.0, run_s=steps[attempt % len(steps)]) == "early":
             return wop, pids
         cont(pids)
         assert e.wait(wop, 30) and wop.status == "ok"
     cont(pids)
-    pytest.skip("never caught a worker early in its write")
+    pytest.skip(f"never caught a worker early in its write ({tries} tries)")
 
 
 @pytest.mark.parametrize("depth", [1, 2])
