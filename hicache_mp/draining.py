@@ -53,7 +53,12 @@ class Draining:
         if gilkeep.any_(probes):
             # up to PROBE_MAX answers at once: chunked, so no numpy loop lets the GIL go
             answers = gilkeep.take(recs, gilkeep.where(probes))
-            hits = core._discovery.answered(answers["digest"].tobytes(),
+            # the digests' bytes sliced from the contiguous records (one memcpy):
+            # a strided field's tobytes() is a numpy copy loop that may let the GIL go
+            raw, size = answers.tobytes(), answers.dtype.itemsize
+            at = answers.dtype.fields["digest"][1]
+            digests = b"".join([raw[o:o + 32] for o in range(at, len(raw), size)])
+            hits = core._discovery.answered(digests,
                                             gilkeep.eq(answers["status"], st.OK).tolist())
             add = core._index.add_found
             for digest in hits:
