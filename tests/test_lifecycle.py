@@ -8,7 +8,8 @@ import psutil
 from shm import Segment, new_owner_tag
 from shm.names import list_ours, clean_stale
 
-from helpers import engine, fill, random_pages
+from helpers import engine
+from lifecycle_child import engine_in_a_daemon
 
 
 # Worker and scheduler SIGKILLs live in tests/faults/ (test_worker_death.py,
@@ -32,19 +33,10 @@ def test_stale_segments_of_a_dead_owner_are_removed_at_start(store):
         alive.close()
 
 
-def _daemon_body(store, q):
-    try:
-        with engine(store, pages=4, workers=1) as e:
-            fill(e, [0], random_pages(e.geometry, 1))
-            q.put(e.wait(e.backup(["d"], [0]), 30) and e.exists(["d"]) == 1)
-    except Exception as exc:  # report, don't hang the test
-        q.put(repr(exc))
-
-
 def test_engine_starts_inside_a_daemonic_process(store):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_daemon_body, args=(store, q), daemon=True)
+    p = ctx.Process(target=engine_in_a_daemon, args=(store, q), daemon=True)
     p.start()
     assert q.get(timeout=60) is True
     p.join(30)
