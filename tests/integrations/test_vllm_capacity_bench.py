@@ -3,10 +3,10 @@ workers, a real evictor process and page files, under storage_max_bytes."""
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from scriptrun import run_script
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed; install it with "
@@ -17,10 +17,10 @@ def test_capacity_bench_stays_under_the_limit_and_keeps_new_pages(tmp_path):
     out = tmp_path / "capacity.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    proc = subprocess.run([sys.executable, "scripts/bench_vllm_capacity.py", "--quick",
-                           "--gap-s", "0.5", "--eviction-interval-s", "0.1",
-                           "--store", str(tmp_path / "store"), "--json", str(out)],
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = run_script("scripts/bench_vllm_capacity.py", "--quick",
+                      "--gap-s", "0.5", "--eviction-interval-s", "0.1",
+                      "--store", str(tmp_path / "store"), "--json", str(out),
+                      capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     page = res["args"]["row_bytes"] + 4096

@@ -370,14 +370,14 @@ def test_a_poll_with_nothing_new_does_constant_work(store):
 def test_bench_smoke(tmp_path):
     """scripts/bench_vllm_tier.py --quick: every row verified, ratios from the same run."""
     import json
-    import subprocess
-    import sys
+
+    from scriptrun import run_script
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    proc = subprocess.run([sys.executable, "scripts/bench_vllm_tier.py", "--quick", "--io",
-                           "warm", "--store", str(tmp_path / "stores"), "--json", str(out)],
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = run_script("scripts/bench_vllm_tier.py", "--quick", "--io", "warm", "--store",
+                      str(tmp_path / "stores"), "--json", str(out),
+                      capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     tiers = {(r["tier"], r["mode"]) for r in res["rows"]}
