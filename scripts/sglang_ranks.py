@@ -150,5 +150,9 @@ def main(argv=None) -> dict:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--rank-child":
         rank_main(sys.argv[2:])
+        # Its JSON is out and its stack closed: the parent reads to EOF, which
+        # the interpreter's teardown of torch and SGLang would hold up ~2 s.
+        sys.stdout.flush()
+        os._exit(0)
     else:
         main()
