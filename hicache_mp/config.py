@@ -157,8 +157,8 @@ class EngineConfig:
                             hi=MAX_IO_DEPTH, metavar="N")
     storage_max_bytes: int = setting(
         0, "keep the page store under this size (suffixes K, M, G, T, powers of 1024); least "
-        "recently read pages are evicted by a separate process, and writes that would cross it "
-        "are dropped. 0 = no limit", flag="--storage-max-bytes", sglang=True, size=True, lo=0,
+        "recently read pages are evicted by a separate process to make room; a write at the "
+        "limit waits up to 2 s for room, then is dropped. 0 = no limit", flag="--storage-max-bytes", sglang=True, size=True, lo=0,
         metavar="BYTES")
     storage_min_free_bytes: int = setting(
         0, "keep at least this much free on the store's filesystem, by the same eviction "

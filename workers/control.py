@@ -10,9 +10,10 @@ Every field is an aligned uint64, written by exactly one side:
     STOP, WAITERS, MAX_BYTES, MIN_FREE, WAKE_AT,  engine
     WAKE_SEQ
     POSTED_NS, POSTED_SEQ                         the worker that posts a wake-up
-    STORE_BASE, WRITTEN_AT_SCAN, EVICTOR_PID      evictor
+    STORE_BASE, WRITTEN_AT_SCAN, EVICTOR_PID,     evictor
+    EVICT_PASSES, EVICT_REMOVED
     per worker: READY_PID, BUSY_NS, PAGES, BYTES, WRITTEN, INFLIGHT,
-                INFLIGHT_KEY, READS_DONE                            that worker
+                INFLIGHT_KEY, READS_DONE, WANT                      that worker
     per worker: READS_SUBMITTED                   engine (and reset, with
                 READS_DONE, by the pool before a worker's replacement starts)
     HEARTBEAT[worker][lane] = CLOCK_MONOTONIC ns  that worker's lane (0: idle;
@@ -32,6 +33,14 @@ its scan met that write's result. INFLIGHT_KEY names that write
 (`write_key` of its digest; stored before INFLIGHT, left in place after) so
 the evictor can tell the write's own temp file and page file in its scan
 and count the write once (workers/evictor.py: counting a write once).
+
+Room at the limit (workers/room.py): a write that would cross a limit keeps
+its reservation and waits briefly for the evictor, its worker's WANT saying
+how many bytes of writes wait behind the limit there (the one waiting and
+those queued on its write ring); the evictor frees that much more than its
+hysteresis asks, then counts the pass (EVICT_REMOVED, the pages it removed,
+stored before EVICT_PASSES), so a waiter can tell a pass that started after
+it asked and removed nothing: no room is coming.
 
 Reads outstanding: READS_SUBMITTED - READS_DONE of a worker is the number of
 read pages the engine has handed it and it has not finished. A worker with a
@@ -82,17 +91,17 @@ MAX_WORKERS = 256
 MAX_LANES = 32   # io_depth bound: one heartbeat word per lane
 CANCEL_SLOTS = 4096
 PIN_SLOTS = 1 << 16
-_WORKER_FIELDS = 9
+_WORKER_FIELDS = 10
 STOP, WAITERS, STORE_BASE, WRITTEN_AT_SCAN, MAX_BYTES, MIN_FREE, EVICTOR_PID, WAKE_AT, \
-    POSTED_NS, WAKE_SEQ, POSTED_SEQ = range(11)
-_WORKERS_AT = 11
+    POSTED_NS, WAKE_SEQ, POSTED_SEQ, EVICT_PASSES, EVICT_REMOVED = range(13)
+_WORKERS_AT = 13
 _CANCEL_AT = _WORKERS_AT + MAX_WORKERS * _WORKER_FIELDS
 _PINS_AT = _CANCEL_AT + CANCEL_SLOTS
 _HEARTBEAT_AT = _PINS_AT + PIN_SLOTS
 _TOTAL = _HEARTBEAT_AT + MAX_WORKERS * MAX_LANES
 CONTROL_BYTES = _TOTAL * 8
 READY_PID, BUSY_NS, PAGES, BYTES, WRITTEN, INFLIGHT, READS_SUBMITTED, READS_DONE, \
-    INFLIGHT_KEY = range(_WORKER_FIELDS)
+    INFLIGHT_KEY, WANT = range(_WORKER_FIELDS)
 
 
 def pin_slots(digests: bytes) -> np.ndarray:

@@ -14,7 +14,9 @@ behind writes exactly when the disk fills. Torch-free, like the workers.
                                   last access per page ◄─────────── (the LRU stamp)
     poll(): evict_ring.pop() ◄─── push (KIND_EVICT, digest, bytes)  reserve bytes before a
     index forgets the page        per page removed                  write; over a limit:
-                                  sleeps on evict_sem ◄──────────── DROPPED, post evict_sem
+                                  sleeps on evict_sem ◄──────────── post evict_sem, WANT,
+                                  frees sum(WANT) more too          wait for room (bounded)
+                                  EVICT_REMOVED, EVICT_PASSES ────► ...or DROPPED
 
 A pass (when a worker posts that a limit is near, and every `interval_s`):
   1. snapshot sum(WRITTEN) and the writes in flight (INFLIGHT and its key
@@ -33,7 +35,16 @@ A pass (when a worker posts that a limit is near, and every `interval_s`):
      stamps from the future first) until it holds at most `share - 2 *
      headroom` and has `min_free + 2 * headroom` free (hysteresis: one pass
      frees room for several writes, not one), reporting each on the evict
-     ring.
+     ring;
+  4. writes waiting at a limit (workers.room) make a pass free their WANT
+     (the bytes of the writes waiting behind the limit, the part's share of
+     them) on top of that, and start one even inside the band: a burst of new
+     pages larger than the band lands whole, the least recently used pages
+     making room for it, rather than a band's worth landing and the rest
+     dropped;
+  5. store the pages removed (EVICT_REMOVED), then count the pass
+     (EVICT_PASSES): a waiter that sees a pass begun after it asked end with
+     nothing removed stops waiting.
 
 Counting a write once (workers.inflight has the rule and why it never
 under-counts): a write of this engine in flight when the pass starts is in
@@ -75,8 +86,8 @@ from workers.records import KIND_EVICT
 from workers.stores import open_store
 from workers.timing import EVICT_REPORT_POLL_S, EVICT_REPORT_WAIT_S, FUTURE_SLACK_S, PARENT_CHECK_S, \
     STOP_GRACE_S
-from workers.control import EVICTOR_PID, MAX_BYTES, MIN_FREE, STOP, STORE_BASE, WRITTEN, \
-    WRITTEN_AT_SCAN, Control, pin_slot
+from workers.control import EVICT_PASSES, EVICT_REMOVED, EVICTOR_PID, MAX_BYTES, MIN_FREE, STOP, \
+    STORE_BASE, WANT, WRITTEN, WRITTEN_AT_SCAN, Control, pin_slot
 
 LEASE_CHECK_EVERY = 64  # removals between checks that the eviction lease is still ours
 EVICT_RING_CAPACITY = 8192
@@ -138,6 +149,10 @@ class Evictor:
                                        lease)
             finally:
                 lease.release()
+        # After the scan's STORE_BASE and the removals: a waiter that sees the
+        # count move sees what this pass left (workers.room).
+        self.control.words[EVICT_REMOVED] = removed
+        self.control.words[EVICT_PASSES] += 1
         return removed
 
     def _measure(self, parts: list) -> tuple[list, list]:
@@ -160,16 +175,18 @@ class Evictor:
 
     def _need(self, part, used: int, nparts: int) -> int:
         """Bytes to remove from one part (holding `used`) so it is back inside
-        its share of the limits, with hysteresis."""
+        its share of the limits, with hysteresis, and has room for its share of
+        the writes waiting at a limit (WANT)."""
         words = self.control.words
         max_bytes, min_free = int(words[MAX_BYTES]), int(words[MIN_FREE])
         share, headroom = max_bytes // nparts, max(self.headroom // nparts, 1)
+        want = int(self.control.workers[:, WANT].sum()) // nparts
         need = 0
-        if max_bytes and used > share - headroom:
-            need = used - (share - 2 * headroom)
+        if max_bytes and used + want > share - headroom:
+            need = used + want - (share - 2 * headroom)
         free = part.free_bytes()
-        if min_free and free is not None and free < min_free + headroom:
-            need = max(need, min_free + 2 * headroom - free)
+        if min_free and free is not None and free - want < min_free + headroom:
+            need = max(need, min_free + 2 * headroom + want - free)
         return need
 
     def _evict(self, part, pages: list, need: int, lease) -> int:

@@ -48,7 +48,7 @@ from shm import Ring, WakeSemaphore
 from shm.segment import ShmFullError
 from workers.child import Child, ChildStartError, wait_ready
 from workers.control import INFLIGHT, INFLIGHT_KEY, MAX_WORKERS, READS_DONE, READS_SUBMITTED, \
-    READY_PID, STOP, Control
+    READY_PID, STOP, WANT, Control
 from workers.handle import KILLED_UNREAPED, WorkerHandle, WorkerState, WorkerStateError
 from workers.spec import WorkerSpec
 from workers.timing import STOP_GRACE_S
@@ -201,6 +201,7 @@ class WorkerPool:
             # temp file, if any, is on disk for the evictor's scan to count.
             row[INFLIGHT] = 0
             row[INFLIGHT_KEY] = 0
+            row[WANT] = 0  # nor its wait for room (workers.room)
             self.control.heartbeat[index] = 0
             spec = self.spec.bind(index=index, parent_pid=os.getpid(), read_ring=submit.name,
                                   write_ring=write.name, completion_ring=completion.name,

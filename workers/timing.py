@@ -81,6 +81,14 @@ The worker's side (the same clock, in each worker process):
                               which such a worker is killed
     CREDIT_CAP_NS      1 s    of write time: the most credit reads can bank for
                               writes (workers.share)
+    ROOM_WAIT_S        2 s    a write at a storage limit waits at most this long
+                              for the evictor to make room (workers.room), looking
+                              every ROOM_POLL_S (2 ms); after a wait that got none,
+                              the worker's writes at the limit are dropped at once
+                              for as long. Far below stall_timeout_s (the wait
+                              counts as the write's I/O for the watchdog); a
+                              cancel ends it within a poll, far inside
+                              ABANDON_GRACE_S
 
 The store's side (wall-clock file times, shared with other hosts):
 
@@ -134,6 +142,8 @@ WRITE_DEFER_MAX_S = 0.5
 STILL_S = WRITE_DEFER_MAX_S / 2
 SLOW_IO_S = 0.5
 CREDIT_CAP_NS = 1_000_000_000
+ROOM_WAIT_S = 2.0
+ROOM_POLL_S = 0.002
 
 # --- the store's side -------------------------------------------------------------
 TOUCH_INTERVAL_S = 1.0

@@ -46,8 +46,10 @@ that many page I/Os in flight; see workers.lanes for when that pays.
 Capacity (when the engine sets storage limits): before a write the worker
 reserves the file's bytes in its WRITTEN counter and checks the store
 estimate (workers.control) and, with a free-space floor, statvfs; a write
-that would cross a limit is not attempted: status DROPPED (errno ENOSPC), and
-the evictor is woken. A successful read stamps the page's last access in the
+that would cross a limit wakes the evictor and waits, on its own lane, a
+bounded time for it to evict least recently used pages to make room
+(workers.room); if none comes it is not attempted: status DROPPED (errno
+ENOSPC). A successful read stamps the page's last access in the
 store (the evictor's LRU order), so the scheduler makes no syscall for it.
 """
 import errno
@@ -65,6 +67,7 @@ from workers import pagefile, status
 from workers.child import ParentWatch, child_main, orphan_cleanup
 from workers.lanes import Lane, WriteLane, run_lanes
 from workers.records import KIND_PROBE, KIND_READ, KIND_WRITE
+from workers.room import Room
 from workers.share import WriteScheduler
 from workers.spec import WorkerSpec
 from workers.store import StoreIO
@@ -113,6 +116,8 @@ class Worker:
         self.evict_wake = WakeSemaphore(spec.evict_sem, create=False) if spec.evict_sem else None
         self.headroom = spec.evict_headroom
         self.num_workers = spec.num_workers
+        self.room = Room(self.control, self.stats, self.evict_wake, self.file_bytes,
+                         self.write_ring.pending)
         # Buffered writes pause between their pieces for reads; O_DIRECT ones go whole.
         self.writes = WriteScheduler(self.control, self.index, spec.num_workers,
                                      spec.write_share, self.payload_len, self.file_bytes,
@@ -193,7 +198,7 @@ class Worker:
         if rec["kind"] == KIND_READ:
             return self.store.read(digest, iovecs, lane)
         if self.capped:
-            refused = self._reserve(digest)
+            refused = self._reserve(digest, int(rec["op_id"]), lane)
             if refused:
                 return refused
         code, err = self.store.write(digest, iovecs, lane)
@@ -262,18 +267,37 @@ class Worker:
         (hicache_mp.discovery)."""
         return status.OK if self.store.exists(digest) else status.MISS
 
-    def _reserve(self, digest: bytes) -> tuple[int, int] | None:
+    def _reserve(self, digest: bytes, op_id: int, lane: Lane) -> tuple[int, int] | None:
         """Claim this write's bytes against the store's limits; a refusal status or None.
 
         The reservation is made before the check, so two workers racing for the
-        last bytes both see each other's claim (both may refuse: the safe side).
+        last bytes both see each other's claim (both may wait or refuse: the
+        safe side). Over a limit the claim is kept while the write waits for
+        room (workers.room), so the evictor frees room for it too.
         """
-        words, nbytes = self.control.words, self.file_bytes
+        nbytes = self.file_bytes
         # This order (key, INFLIGHT, WRITTEN) is the one workers.evictor's
         # count-once rule and its WRITTEN-first snapshot rely on.
         self.stats[INFLIGHT_KEY] = write_key(digest)
         self.stats[INFLIGHT] = nbytes
         self.stats[WRITTEN] += np.uint64(nbytes)
+        over, near = self._over(digest)
+        if near and self.evict_wake is not None:
+            self.evict_wake.post()
+        if over:
+            if self.room.wait(lambda: self._over(digest)[0],
+                              lambda: self._stopping() or self.control.cancelled(op_id), lane):
+                return None
+            self.stats[WRITTEN] -= np.uint64(nbytes)
+            self.stats[INFLIGHT] = 0
+            if self.control.cancelled(op_id):
+                return status.CANCELLED, 0
+            return status.DROPPED, errno.ENOSPC
+        return None
+
+    def _over(self, digest: bytes) -> tuple[bool, bool]:
+        """(would this write, reserved, cross a limit; is a limit near)."""
+        words, nbytes = self.control.words, self.file_bytes
         est = self.control.store_estimate()
         max_bytes, min_free = int(words[MAX_BYTES]), int(words[MIN_FREE])
         over = bool(max_bytes) and est > max_bytes
@@ -286,13 +310,7 @@ class Worker:
                 claim = nbytes * self.num_workers
                 over = free - claim < min_free
                 near = near or free - claim < min_free + self.headroom
-        if near and self.evict_wake is not None:
-            self.evict_wake.post()
-        if over:
-            self.stats[WRITTEN] -= np.uint64(nbytes)
-            self.stats[INFLIGHT] = 0
-            return status.DROPPED, errno.ENOSPC
-        return None
+        return over, near
 
     def _unlink_all(self) -> None:
         orphan_cleanup(self.spec.orphan_shm, self.spec.orphan_sem)
