@@ -95,11 +95,13 @@ def test_two_nodes_evictors_keep_the_shared_store_near_its_limit(nodes, volume):
     # walk the same oldest-first list and both remove (and report) the same pages.
     assert sum(evicted) == written - on_disk, (evicted, written, on_disk)
     # ...and together they leave the store near its limit: never below its
-    # hysteresis target (LIMIT - 2h), at the end no more than the limit. A pass
-    # counts each write in flight once (workers.inflight), so it removes what the
-    # target asks and no more. Two evictors at once are caught exactly above
-    # (pages removed twice).
-    assert low >= LIMIT - 2 * h, f"store fell to {low / FILE:.1f} files"
+    # hysteresis target (LIMIT - 2h) less the room a pass makes ahead for the
+    # writes queued behind one waiting at the limit (decision 84: at most the
+    # lease holder's one backup of 16 pages, until they land), at the end no
+    # more than the limit. A pass counts each write in flight once
+    # (workers.inflight), so it removes what the target asks and no more. Two
+    # evictors at once are caught exactly above (pages removed twice).
+    assert low >= LIMIT - 2 * h - 16 * FILE, f"store fell to {low / FILE:.1f} files"
     assert final <= LIMIT
     # The lease is given back (seen through either mount once its entry cache expires).
     assert settle(lambda: not any(os.path.exists(os.path.join(d, LEASE_NAME))
