@@ -59,15 +59,23 @@ def test_no_timeout_means_wait_until_done(store, timeout):
         assert e.wait(op, timeout) and op.status == "ok"
 
 
+@pytest.fixture(scope="module")
+def idle_engine(tmp_path_factory):
+    """One engine for the bad-timeout cases: each ends with its op done and its
+    slot free, so the next case finds the engine as the first did."""
+    with engine(str(tmp_path_factory.mktemp("edges")), pages=4, workers=1) as e:
+        yield e
+
+
 @pytest.mark.parametrize("bad", ["1", -1, -0.5, float("nan"), True, [1]])
-def test_a_bad_timeout_is_a_value_error(store, bad):
-    with engine(store, pages=4, workers=1) as e:
-        op = e.prefetch(["a"], [0])
-        with pytest.raises(ValueError, match="timeout_s"):
-            e.wait(op, bad)
-        with pytest.raises(ValueError, match="timeout_s"):
-            e.prefetch(["b"], [1], timeout_s=bad)
-        assert e.wait(op, 30)
+def test_a_bad_timeout_is_a_value_error(idle_engine, bad):
+    e = idle_engine
+    op = e.prefetch(["a"], [0])
+    with pytest.raises(ValueError, match="timeout_s"):
+        e.wait(op, bad)
+    with pytest.raises(ValueError, match="timeout_s"):
+        e.prefetch(["b"], [1], timeout_s=bad)
+    assert e.wait(op, 30) and e.metrics()["ops_in_flight"] == 0
 
 
 def test_the_readme_loop_waits_for_the_pages(store):
