@@ -6,6 +6,7 @@ import os
 import torch
 
 from helpers import engine, fill, random_pages, read_back
+from workers.timing import TARGET_CAP_S
 
 
 def _wakeups(eng):
@@ -147,8 +148,10 @@ def test_two_threads_waiting_on_a_backup_and_a_prefetch_are_not_woken_per_page(s
             backup_thread = threading.Thread(target=eng.wait, args=(wop, 60))
             backup_thread.start()
         finally:
-            # both waiters are asleep (with their targets) before the workers go on
-            threading.Timer(0.3, lambda: [os.kill(p, signal.SIGCONT) for p in pids]).start()
+            # Both waiters are asleep (with their targets) before the workers go
+            # on, and not yet at their cap (TARGET_CAP_S): each may meet it once
+            # while its batch runs on a slow box, never after it is done.
+            threading.Timer(TARGET_CAP_S / 2, lambda: [os.kill(p, signal.SIGCONT) for p in pids]).start()
         assert eng.wait(rop, 60)
         backup_thread.join(60)
         assert rop.status == "ok" and wop.status == "ok"
