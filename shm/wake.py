@@ -20,25 +20,16 @@ import time
 
 import posix_ipc
 
+from .libc import loader
+
 # libc called with the GIL held (PyDLL): sem_trywait and sem_post never block,
 # and posix_ipc gives the GIL up even for those.
-_LIBC = None
-
-
-def _libc():
-    global _LIBC
-    if _LIBC is None:
-        # the process's own symbols (libc on Linux): find_library would run
-        # `ldconfig -p` in a subprocess, on the first call of a hot path
-        lib = ctypes.PyDLL(None, use_errno=True)
-        lib.sem_open.restype = ctypes.c_void_p
-        lib.sem_open.argtypes = [ctypes.c_char_p, ctypes.c_int]
-        lib.sem_trywait.argtypes = [ctypes.c_void_p]
-        lib.sem_post.argtypes = [ctypes.c_void_p]
-        lib.sem_close.argtypes = [ctypes.c_void_p]
-        _LIBC = lib
-    return _LIBC
-
+_libc = loader(ctypes.PyDLL, {
+    "sem_open": (ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_int]),
+    "sem_trywait": (ctypes.c_int, [ctypes.c_void_p]),
+    "sem_post": (ctypes.c_int, [ctypes.c_void_p]),
+    "sem_close": (ctypes.c_int, [ctypes.c_void_p]),
+})
 
 _SEM_FAILED = ctypes.c_void_p(-1).value
 

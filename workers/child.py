@@ -31,24 +31,14 @@ import sys
 import time
 from typing import NoReturn
 
+from shm.libc import loader
 from shm.names import unlink_names
 from workers.timing import CHILD_READY_POLL_S
 
-_LIBC = None
-
-
-def _libc():
-    """libc called with the GIL held (ctypes.PyDLL)."""
-    global _LIBC
-    if _LIBC is None:
-        # the process's own symbols (libc on Linux): find_library would run
-        # `ldconfig -p` in a subprocess, on the first call of a hot path
-        lib = ctypes.PyDLL(None, use_errno=True)
-        lib.waitpid.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int]
-        lib.waitpid.restype = ctypes.c_int
-        _LIBC = lib
-    return _LIBC
-
+# libc called with the GIL held (PyDLL): see Child.alive
+_libc = loader(ctypes.PyDLL, {
+    "waitpid": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
+})
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

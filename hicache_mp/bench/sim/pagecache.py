@@ -15,24 +15,18 @@ import ctypes
 import mmap
 import os
 
+from shm.libc import loader
 from workers import naming
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _FAILED = ctypes.c_void_p(-1).value
-_libc = None
-
-
-def _lib():
-    global _libc
-    if _libc is None:
-        lib = ctypes.CDLL(None, use_errno=True)
-        lib.mmap.restype = ctypes.c_void_p
-        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                             ctypes.c_int, ctypes.c_long]
-        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-        _libc = lib
-    return _libc
+# CDLL (the GIL let go): measured before a run, on no scheduler's thread
+_lib = loader(ctypes.CDLL, {
+    "mmap": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_int, ctypes.c_long]),
+    "munmap": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]),
+    "mincore": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]),
+})
 
 
 def file_resident(path: str) -> tuple[int, int]:
