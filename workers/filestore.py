@@ -32,6 +32,7 @@ The LRU stamp: after a good read the file's times are set to now
 (futimens on the open descriptor), at most once per TOUCH_INTERVAL_S per
 page and process: order at a coarse grain, not a metadata write per read.
 """
+import contextlib
 import errno
 import itertools
 import os
@@ -86,6 +87,18 @@ class FileStore(PageStore):
                 os.close(mid)
         finally:
             os.close(top)
+
+    @contextlib.contextmanager
+    def _page_at(self, digest: bytes):
+        """(descriptor of the page's fan-out directory, the page file's name in
+        it), the descriptor closed at the end; OSError where the directory
+        cannot be opened (FileNotFoundError: there is none, so no such page)."""
+        h = digest.hex()
+        leaf = self._leaf(h, create=False)
+        try:
+            yield leaf, h + naming.PAGE_SUFFIX
+        finally:
+            os.close(leaf)
 
     # --- reads ------------------------------------------------------------------
     def read(self, digest: bytes, iovecs, bufs) -> tuple[int, int]:
@@ -235,51 +248,31 @@ class FileStore(PageStore):
 
     # --- the rest of the interface ---------------------------------------------
     def remove(self, digest: bytes) -> bool:
-        h = digest.hex()
         try:
-            leaf = self._leaf(h, create=False)
-        except FileNotFoundError:
-            return True
-        except OSError:
-            return False
-        try:
-            os.unlink(h + naming.PAGE_SUFFIX, dir_fd=leaf)
+            with self._page_at(digest) as (leaf, name):
+                os.unlink(name, dir_fd=leaf)
             return True
         except FileNotFoundError:
-            return True  # another engine removed it: gone either way
+            return True  # no directory or no file (another engine removed it): gone either way
         except OSError:
             return False
-        finally:
-            os.close(leaf)
 
     def touch(self, digest: bytes) -> None:
-        h = digest.hex()
         try:
-            leaf = self._leaf(h, create=False)
-        except OSError:
-            return
-        try:
-            os.utime(h + naming.PAGE_SUFFIX, dir_fd=leaf, follow_symlinks=False)
+            with self._page_at(digest) as (leaf, name):
+                os.utime(name, dir_fd=leaf, follow_symlinks=False)
         except OSError:
             pass
-        finally:
-            os.close(leaf)
 
     def exists(self, digest: bytes) -> bool:
-        h = digest.hex()
         try:
-            leaf = self._leaf(h, create=False)
+            with self._page_at(digest) as (leaf, name):
+                st = os.stat(name, dir_fd=leaf, follow_symlinks=False)
         except OSError:
             return False
-        try:
-            st = os.stat(h + naming.PAGE_SUFFIX, dir_fd=leaf, follow_symlinks=False)
-            # A regular file of a page's size (when this store knows the size).
-            return stat.S_ISREG(st.st_mode) and \
-                (not self.io.payload_len or st.st_size == self.file_bytes)
-        except OSError:
-            return False
-        finally:
-            os.close(leaf)
+        # A regular file of a page's size (when this store knows the size).
+        return stat.S_ISREG(st.st_mode) and \
+            (not self.io.payload_len or st.st_size == self.file_bytes)
 
     def path(self, digest: bytes) -> str:
         """The page file's path (for tools and tests; I/O goes through the calls above)."""
