@@ -6,10 +6,15 @@ and these objects only record and answer.
 """
 import collections
 import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from workers.timing import BACKOFF_S, DEVICE_WAIT_SLICE_S
 
 from .device_cuda import DONE
+from .ops import Op
 
 
 class LoadHandle:
@@ -108,6 +113,7 @@ class LoadHandle:
                 f"issued={self.issued}, status={self.status})")
 
 
+@dataclass(eq=False)
 class StoreHandle:
     """Device pages being copied into host slots; with keys, then backed up.
 
@@ -116,14 +122,13 @@ class StoreHandle:
     `done`: copied, and backed up if keys were given.
     """
 
-    def __init__(self, loader, event, host_pages, device_pages, keys):
-        self.loader = loader
-        self.event = event
-        self.host_pages = host_pages
-        self.device_pages = device_pages
-        self.keys = keys
-        self.backup_op = None
-        self.error: BaseException | None = None
+    loader: Any                    # the DeviceLoader (hicache_mp.device)
+    event: Any                     # recorded after the copies: a torch.cuda.Event, or DONE
+    host_pages: np.ndarray
+    device_pages: np.ndarray
+    keys: list | None
+    backup_op: Op | None = field(default=None, init=False)
+    error: BaseException | None = field(default=None, init=False)
 
     @property
     def copied(self) -> bool:

@@ -30,34 +30,42 @@ import logging
 import os
 import signal
 import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 
+from shm import Ring
 from workers import status as st
+from workers.control import Control
+from workers.evictor import EvictorProcess
 from workers.handle import WorkerState
-from workers.pool import BrokenPool
+from workers.pool import BrokenPool, WorkerPool
 from workers.timing import HEALTH_CHECK_S
 
 log = logging.getLogger("hicache_mp")
 
 
+@dataclass(eq=False, repr=False)
 class Supervisor:
     """Watches `pool` and `evictor` for `core` (the EngineCore whose ops and
     slot reservations a lost worker's pages are settled in); `drain_ring`
     applies what a worker finished before it was lost."""
 
-    def __init__(self, core, pool, control, evictor, drain_ring):
-        self.core = core
-        self.pool = pool
-        self.control = control
-        self.evictor = evictor
-        self.drain_ring = drain_ring
-        self.fences: list = []  # (killed stuck worker, host slots held until it is reaped)
-        self.stuck_workers = 0
-        self.stalled_pages = 0
-        self._evictor_failed = None
-        self._last_health = time.monotonic()
-        self._watched_at, self._watch_from_ns = time.monotonic(), 0  # the watchdog's gap rule
+    core: Any                      # the EngineCore (hicache_mp.core)
+    pool: WorkerPool
+    control: Control
+    evictor: EvictorProcess | None  # None: no storage limits
+    drain_ring: Callable[[Ring], object]
+    # (killed stuck worker, host slots held until it is reaped)
+    fences: list = field(default_factory=list, init=False)
+    stuck_workers: int = field(default=0, init=False)
+    stalled_pages: int = field(default=0, init=False)
+    _evictor_failed: Any = field(default=None, init=False)  # its Child that did not start
+    _last_health: float = field(default_factory=time.monotonic, init=False)
+    # the watchdog's gap rule
+    _watched_at: float = field(default_factory=time.monotonic, init=False)
+    _watch_from_ns: int = field(default=0, init=False)
 
     def maybe_check(self) -> None:
         """The health check, when HEALTH_CHECK_S has passed since the last."""
@@ -126,7 +134,7 @@ class Supervisor:
             failed = len(self.fail_pages(handle.index))
             log.warning("hicache_mp-worker-%d (pid %d) died with exit code %s; %d in-flight "
                         "page(s) failed; starting a replacement", handle.index, handle.pid,
-                        handle.proc.returncode, failed)
+                        handle.child.returncode, failed)
             # A worker killed mid-write leaves its temp file behind (never a page: it
             # does not end in .page). A rescan, off this thread, reaps temp files of
             # dead writers now rather than at the next start, and indexes pages it

@@ -136,9 +136,5 @@ class WorkerHandle:
     def pid(self) -> int:
         return self.child.pid
 
-    @property
-    def proc(self):
-        return self.child.proc
-
     def alive(self) -> bool:
         return self.child.alive()
