@@ -2,7 +2,7 @@
 
 Owns `OpRecord` (one prefetch or write-back op, frozen when the run ends),
 `op_record` that takes one from an engine op, and `RunResult`. Must not
-compute figures from them (`bench.figures`, `profile`) or run anything.
+compute figures from them (`report.figures`, `profile`) or run anything.
 """
 from __future__ import annotations
 

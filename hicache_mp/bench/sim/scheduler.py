@@ -1,10 +1,11 @@
 """The reference scheduler: one Python loop modelled on SGLang's, over one storage backend.
 
 Owns the loop and its bookkeeping: request states, host slots, prefetch
-policy checks, chunked prefill and decode charged by the `ComputeModel`,
-write-back of computed pages, and the raw measurements (`records.RunResult`,
-with `gputime.GpuTime`'s account of the GPU's idle time by cause). Must
-not do page I/O (the engine does) nor format output (`summary`, `bench`).
+policy checks, and the raw measurements (`records.RunResult`, with
+`gputime.GpuTime`'s account of the GPU's idle time by cause); the batches
+(chunked prefill and decode charged by the `ComputeModel`, write-back of
+computed pages) are `batches.Batches`'. Must not do page I/O (the engine
+does) nor format output (`summary`, `bench`).
 
 Every iteration stands for one pass of SGLang 0.5.23's
 `Scheduler.event_loop_normal` (managers/scheduler.py) with HiCache storage:
@@ -52,6 +53,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .batches import Batch, Batches, fifo_order
 from .gputime import GpuTime
 from .records import OpRecord, RunResult, op_record  # noqa: F401 (OpRecord, RunResult: API)
 from .slots import HostSlots
@@ -82,15 +84,6 @@ class SchedulerConfig:
     loader: object = None            # a DeviceLoader attached to the engine: pages go to the GPU
 
 
-@dataclass
-class Batch:
-    kind: str                        # prefill | decode
-    start_s: float
-    end_s: float
-    items: list                      # [(req, tokens)]
-    finished_some: bool = False      # finishing it finished some request
-
-
 class _Req:
     __slots__ = ("r", "keys", "wb_keys", "admit_s", "op", "slots", "hit_pages", "done_tokens",
                  "token_s", "seen_ns", "dev", "h2d")
@@ -110,7 +103,7 @@ class _Req:
         self.h2d = None              # its DeviceLoader handle
 
 
-class Scheduler:
+class Scheduler(Batches):
     def __init__(self, name: str, engine, requests: list[Request], config: SchedulerConfig):
         self.name = name
         self.engine = engine
@@ -273,7 +266,7 @@ class Scheduler:
                 still.append(q)
         if len(still) != len(self.prefetching):
             self.prefetching = still
-            self.ready.sort(key=_fifo)
+            self.ready.sort(key=fifo_order)
 
     def _check_h2d(self) -> None:
         still = []
@@ -329,90 +322,6 @@ class Scheduler:
                 keep.append(item)
         self.backups = keep
 
-    def _next_batch(self, now_s: float, now_ns: int) -> Batch | None:
-        cfg = self.cfg
-        queue = self.ready
-        if cfg.policy == "best_effort" and self.prefetching:
-            # SGLang checks a best_effort prefetch when it schedules the request,
-            # and ends it there with whatever has landed.
-            queue = sorted(self.ready + self.prefetching, key=_fifo)
-        self._device_wait = False
-        if queue:
-            budget = cfg.compute.chunk_tokens
-            items = []
-            for q in queue:
-                if budget <= 0:
-                    break
-                if q.seen_ns == 0 and q.op is not None:   # a best_effort prefetch still running
-                    self._settle(q, now_ns)
-                    self.prefetching.remove(q)
-                    self.ready.append(q)
-                if q.op is not None:  # first chunk: its pages go to the GPU now
-                    if q.h2d is not None and not q.h2d.done:
-                        self._device_wait = True
-                        continue  # its KV is still on the way to the device
-                    self.consumed.append((q.op, q.slots, q.r.rid, q.seen_ns))
-                    q.op = None
-                take = min(q.r.prompt_len - q.done_tokens, budget)
-                items.append((q, take))
-                budget -= take
-            self.ready.sort(key=_fifo)
-            if items:
-                tokens = sum(t for _, t in items)
-                return Batch("prefill", now_s, now_s + cfg.compute.prefill_s(tokens), items)
-            # Every ready request's KV is still on the way to the device: none
-            # can be scheduled (SGLang's prefill skips them), so decode goes on.
-        if self.running:
-            return Batch("decode", now_s, now_s + cfg.compute.decode_s(1),
-                         [(q, 1) for q in self.running])
-        return None
-
-    def _finish(self, batch: Batch, now_s: float) -> None:
-        before_done = len(self.finished)
-        if batch.kind == "decode":
-            still = []
-            for q, _ in batch.items:
-                q.token_s.append(now_s)
-                (self.finished if len(q.token_s) >= q.r.output_len else still).append(q)
-            self.running = still
-        else:
-            for q, take in batch.items:
-                before = q.done_tokens
-                q.done_tokens += take
-                self._write_back(q, before, q.done_tokens)
-                if q.done_tokens >= q.r.prompt_len:
-                    q.token_s.append(now_s)   # prefill yields the first token
-                    (self.finished if q.r.output_len <= 1 else self.running).append(q)
-            self.ready = [q for q in self.ready if q.done_tokens < q.r.prompt_len]
-        batch.finished_some = len(self.finished) > before_done
-        if self.dev_slots is not None:
-            for q in self.finished[before_done:]:
-                if q.dev is not None:
-                    self.dev_slots.release(q.dev)
-                    q.dev = None
-        self.batches.append((batch.kind, batch.start_s, batch.end_s,
-                             sum(t for _, t in batch.items), len(batch.items)))
-
-    def _write_back(self, q: _Req, before: int, after: int) -> None:
-        """Back up the pages this chunk filled, beyond the ones storage already has."""
-        if self.pool is None or not q.wb_keys:
-            return  # the ideal backend writes nothing
-        ps = self.cfg.page_size
-        first_wb = len(q.keys)       # computed pages start after the workload's cached prefix
-        lo = max(before // ps, first_wb)
-        hi = min(after, q.r.prompt_len) // ps
-        if hi <= lo:
-            return
-        keys = q.wb_keys[lo - first_wb:hi - first_wb]
-        slots = self.slots.alloc(len(keys))
-        if slots is None:
-            self.backup_skipped += len(keys)
-            return
-        gen = self.cfg.page_bytes_gen
-        for slot, key in zip(slots, keys):
-            gen.stamp(self.pool, slot, key)
-        self.backups.append((q.r.rid, self.engine.backup(keys, slots), slots))
-
     def _result(self, q: _Req) -> RequestResult:
         ts = q.token_s
         return RequestResult(rid=q.r.rid, prompt_len=q.r.prompt_len, output_len=q.r.output_len,
@@ -420,7 +329,3 @@ class Scheduler:
                              ttft_s=ts[0] - q.admit_s,
                              itl_s=[b - a for a, b in zip(ts, ts[1:])],
                              latency_s=ts[-1] - q.admit_s)
-
-
-def _fifo(q: _Req):
-    return (q.admit_s, q.r.rid)
