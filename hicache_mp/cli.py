@@ -85,6 +85,7 @@ Exit status: 0, or 1 when a prefetched page held the wrong bytes.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -114,14 +115,19 @@ def _worker_counts(text: str) -> tuple:
     return counts
 
 
+def _command(sub, name: str, func) -> argparse.ArgumentParser:
+    """Sub-command `name`'s parser: it runs `func`, shows each default in --help,
+    and takes its texts from `func`'s docstring: the first paragraph is the
+    help, the rest the description (argparse fills both anew; none under -OO)."""
+    help_line, _, description = inspect.cleandoc(func.__doc__ or "").partition("\n\n")
+    p = sub.add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       help=help_line, description=description)
+    p.set_defaults(func=func)
+    return p
+
+
 def _bench_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "bench", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        help="run the long-context workload on each storage backend and compare",
-        description="Warm a page store, then run the reference scheduler (a busy Python loop "
-                    "modelled on SGLang's) on it with each storage backend, print SGLang's "
-                    "bench_long_context summary per backend and a comparison table with "
-                    "ratios against 'none' (all KV already in host memory).")
+    p = _command(sub, "bench", cmd_bench)
     p.add_argument("--quick", action="store_true",
                    help="the same workload at reduced scale, proportions kept: 4 layers x 4 KV "
                         "heads x 64 dims (256 KiB pages), prompts and chunk size x0.1, every "
@@ -171,7 +177,6 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
                         "before a request's first prefill chunk (file and mp runs): auto = "
                         "when CUDA is available; on = also on the CPU fallback; off = never")
     add_engine_flags(p)  # every EngineConfig setting that declares a flag (hicache_mp.config)
-    p.set_defaults(func=cmd_bench)
     return p
 
 
@@ -186,15 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # --- import-sglang (logic: hicache_mp.integrations.sglang.store_import) --------
 def _import_sglang_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "import-sglang", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        help="convert an SGLang 'file' HiCache store into a hicache_mp store",
-        description="Convert the raw page files of SGLang's 'file' storage backend "
-                    "(<key>_<model>_<tp_rank>_<tp_size>.bin, no header, in the host layout of "
-                    "the server that wrote them) into hicache_mp page files under the namespace "
-                    "the SGLang backend HiCacheMP uses, so a warm cache survives the switch. "
-                    "Files whose size does not match the geometry, of other models/ranks, or "
-                    "already present are skipped and reported. The source is never modified.")
+    p = _command(sub, "import-sglang", cmd_import_sglang)
     p.add_argument("--src", required=True, help="SGLang store (SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR "
                                                 "or file_storage_path; default there /tmp/hicache)")
     p.add_argument("--dst", required=True, help="hicache_mp store directory (the backend's storage_dir)")
@@ -217,11 +214,19 @@ def _import_sglang_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", help="KV cache dtype")
     p.add_argument("--workers", type=int, default=2, help="I/O worker processes")
     p.add_argument("--overwrite", action="store_true", help="rewrite pages already in --dst")
-    p.set_defaults(func=cmd_import_sglang)
     return p
 
 
 def cmd_import_sglang(args, argv=None) -> int:
+    """convert an SGLang 'file' HiCache store into a hicache_mp store
+
+    Convert the raw page files of SGLang's 'file' storage backend
+    (<key>_<model>_<tp_rank>_<tp_size>.bin, no header, in the host layout of
+    the server that wrote them) into hicache_mp page files under the namespace
+    the SGLang backend HiCacheMP uses, so a warm cache survives the switch.
+    Files whose size does not match the geometry, of other models/ranks, or
+    already present are skipped and reported. The source is never modified.
+    """
     geometry = PageGeometry(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
                             head_dim=args.head_dim, page_size=args.page_size, dtype=args.dtype,
                             mla=args.mla)
@@ -270,6 +275,13 @@ def bench_config(args):
 
 
 def cmd_bench(args, argv=None) -> int:
+    """run the long-context workload on each storage backend and compare
+
+    Warm a page store, then run the reference scheduler (a busy Python loop
+    modelled on SGLang's) on it with each storage backend, print SGLang's
+    bench_long_context summary per backend and a comparison table with
+    ratios against 'none' (all KV already in host memory).
+    """
     if args.plot:
         try:
             import matplotlib  # noqa: F401
