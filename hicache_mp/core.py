@@ -2,13 +2,13 @@
 
 Owns the key namespace, the table of ops in flight, starting an op
 (host-slot reservations, pins, the backup budget), cancel, poll, blocking
-waits, process ownership and metrics; with its mixins, the exists index's
-calls (hicache_mp.lookups), completion bookkeeping (hicache_mp.books) and
-close() (hicache_mp.closing); the input checks are hicache_mp.checks. Must
-not move page bytes: subclasses hand records to their I/O (worker processes
-for `mp`, a Python thread for `file`) and feed completions back through
-`_apply`. The class is a little over 300 lines: the public calls of both
-backends, each docstring that call's contract.
+waits and metrics; with its mixins, the exists index's calls
+(hicache_mp.lookups), completion bookkeeping (hicache_mp.books), close()
+(hicache_mp.closing) and process ownership, a forked child's refusal
+(hicache_mp.ownership); the input checks are hicache_mp.checks. Must not
+move page bytes: subclasses hand records to their I/O (worker processes for
+`mp`, a Python thread for `file`) and feed completions back through
+`_apply`.
 
 Host slots named in an op are reserved from submit until the op is `done`
 (every page accounted for), because an I/O may still be writing into them;
@@ -25,10 +25,8 @@ workers.control): the evictor never removes a pinned page. One vectorised add
 per op and one decrement per completed page, no syscalls.
 """
 import math
-import os
 import threading
 import time
-import weakref
 
 import numpy as np
 
@@ -47,26 +45,12 @@ from .discovery import Discovery
 from .index import StoreIndex
 from .lookups import Lookups
 from .ops import READ, WRITE, Op
-
-
-# Engines of this process; a forked child disowns them all before it runs any
-# code of its own (os.register_at_fork), so nothing it does, or its exit,
-# touches the parent's workers, rings, segments or files.
-_LIVE = weakref.WeakSet()
-
-
-def _disown_after_fork() -> None:
-    for engine in list(_LIVE):
-        engine._disown()
-
-
-os.register_at_fork(after_in_child=_disown_after_fork)
-
+from .ownership import Ownership
 
 __all__ = ["EngineCore", "EngineClosed", "EngineForked", "check_timeout"]
 
 
-class EngineCore(Lookups, Books, Closing):
+class EngineCore(Lookups, Books, Closing, Ownership):
     backend = "?"
 
     def __init__(self, config: EngineConfig, geometry: PageGeometry):
@@ -92,8 +76,7 @@ class EngineCore(Lookups, Books, Closing):
         self._slot_op = np.zeros(config.host_pool_pages, dtype=np.int64)
         self._closed = False
         self._released = False         # segments gone: nothing may touch the pool now
-        self._owner_pid = os.getpid()
-        self._forked = False
+        self._init_ownership()         # this process's, until a fork (hicache_mp.ownership)
         self._closing = False          # close() is flushing backups: no new work
         self._init_closing()           # close(), the sleepers (hicache_mp.closing)
         self._logged_causes: set = set()
@@ -116,21 +99,9 @@ class EngineCore(Lookups, Books, Closing):
         self._worker_pages = 0
         self.loader = None
         self._discovery = Discovery()
-        _LIVE.add(self)
+        self._own()
 
-    # --- process ownership ------------------------------------------------------
-    def _disown(self) -> None:
-        """In a forked child: the engine is the parent's. Runs in the at-fork hook,
-        so it takes no lock (another parent thread may have held one at the fork)."""
-        self._forked = True
-        self._forget_resources()
-
-    def _refuse_in_child(self):
-        raise EngineForked(
-            f"this hicache_mp engine belongs to process {self._owner_pid}; process "
-            f"{os.getpid()} is a fork of it and cannot use it (its workers, rings and shared "
-            f"memory are the parent's). Create a new engine in the child")
-
+    # --- open, closed, forked -------------------------------------------------
     def _check_open(self) -> None:
         if self._forked:
             self._refuse_in_child()
