@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issue 25's check that the redesign changed no figure: bench_prefetch and the
+# SGLang stack harness, each at a "before" tree and at this one, interleaved
+# in one call on the GPU box (before, after, before, after), each tree with
+# its own scripts. The before tree travels as a tar (made here with
+# `git archive REV > .before/before.tar`; .before/ is ignored, carry it with
+# .whl). Usage: scripts/device_before_after.sh OUTDIR prefetch|stack [RUNS]
+set -u
+out=${1:?usage: scripts/device_before_after.sh OUTDIR prefetch|stack [RUNS]}
+what=${2:?prefetch or stack}
+runs=${3:-2}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+after=$PWD
+before=/tmp/hicache_mp_before
+rm -rf "$before" && mkdir -p "$before" && tar -xf .before/before.tar -C "$before" || exit 3
+if [ "$what" = stack ]; then . scripts/device_deps.sh; else
+  python3 -m pip install -q --no-deps --no-index --target /tmp/pi .whl/posix_ipc*.whl || exit 3
+  deps=/tmp/pi; export PYTHONUNBUFFERED=1; fi
+nvidia-smi --query-gpu=name --format=csv,noheader | head -1; nproc
+one() {  # tree label n
+  local tree=$1 label=$2 n=$3 t0=$SECONDS log="$out/$what-$2-$3.log"
+  cd "$tree"
+  if [ "$what" = prefetch ]; then
+    PYTHONPATH=$tree:$deps timeout 200 python3 scripts/bench_prefetch.py --workers 14 \
+      --pages 1024 --rounds 2 --repeats 3 --storage-dir "/tmp/ba_$label" \
+      --json "$out/$what-$label-$n.json" > "$log" 2>&1
+  else
+    PYTHONPATH=$tree:$deps timeout 200 python3 scripts/sglang_stack.py --backends nobytes,mp \
+      --round-mib 2048 --page-mib 8 --runs 7 --inject-rounds 0 --no-mixed --store /tmp \
+      --json "$out/$what-$label-$n.json" > "$log" 2>&1
+  fi
+  echo "== $what $label #$n rc=$? in $((SECONDS - t0))s"
+  grep -v "^INFO\|Warning\|warnings.warn\|^{\"backend\|^sglang_real\|^sgl_kernel" "$log" | tail -n 14
+  cd "$after"
+}
+for n in $(seq 1 "$runs"); do one "$before" before "$n"; one "$after" after "$n"; done
