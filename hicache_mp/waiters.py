@@ -70,13 +70,16 @@ POSTED_NS).
      slow (over AHEAD_MIN_S) lowers its target by the pages the workers
      finish in most of that time (AHEAD_SHARE; `rate_pps`, measured over its
      own earlier sleeps): the GIL comes back as the batch's last pages land,
-     not a switch interval after. An op of a page or so (a big sidecar
-     page) naps instead: its sleep's cap ends that long before it is due. Woken ahead and not yet done, it drains with the GIL
-     held while the rest is due within SPIN_CAP_S (never longer), else it
-     sleeps again, then with no lead. A batch due within SPIN_CAP_S from
-     the start (a sidecar's page or two) is drained so, with no sleep at all. A target lowered too far costs a
-     second sleep, never a wrong answer: an op is done only when its own
-     pages are drained (decision 80).
+     not a switch interval after. An op too short to lower the target for
+     (a page or so: one big sidecar page) is not woken ahead: its one
+     page's time varies too much to guess, and a guess too early costs a
+     second sleep (decision 85). Woken ahead and not yet done, it drains
+     with the GIL held while the rest is due within SPIN_CAP_S (never
+     longer), else it sleeps again, then with no lead. A batch due within
+     SPIN_CAP_S from the start (a sidecar's small page or two) is drained
+     so, with no sleep at all. A target lowered too far costs a second
+     sleep, never a wrong answer: an op is done only when its own pages are
+     drained (decision 80).
 
 Runs on the scheduler's threads: all of it under the engine's lock, and the
 leader's one sleep is the only place the GIL is given up (decision 74).
@@ -125,13 +128,9 @@ class Waiters:
             prev = self.leader
             lead = prev is None or prev == me  # note 5
             short = target and lead and self._due_soon(op)  # note 9
-            early, nap = self._lead(op) if target and lead and not short else (0, 0.0)  # note 9
+            early = self._lead(op) if target and lead and not short else 0  # note 9
             at = eng._worker_pages + op._remaining - early if target else 0  # notes 1, 9
             cap = min(timeout_s, TARGET_CAP_S if target else NO_TARGET_CAP_S)  # note 7
-            if nap and nap < cap:
-                cap = nap
-            else:
-                nap = 0.0
             if lead and at:
                 self.leftover += self.done_sem.take_pending()  # note 6
             self.targets.append(at)
@@ -160,30 +159,28 @@ class Waiters:
         finally:
             with eng._lock:
                 self.leader = prev
-                self._count(posted, at, since=since, nap=nap)
+                self._count(posted, at, since=since)
                 if not eng._closed:
                     eng._drain()  # the followers' ops too, before they look
-                    if (early and posted) or (nap and not posted):
+                    if early and posted:
                         self.ahead += 1
                         if not op.done and self._due_soon(op):
                             self._spin(op)  # note 9
                 self.woken.notify_all()
                 self._leave(at)
 
-    def _lead(self, op) -> tuple:
-        """How far ahead of `op`'s end to be woken (note 9): (pages, 0) where
-        the workers finish pages while the GIL comes back, else (0, seconds to
-        nap) for an op of a page or so (one big sidecar page); (0, 0) where the
-        GIL comes back at once, with no pace measured yet, or on any sleep
-        after a wake-ahead for the same op (a stale post may end one early)."""
+    def _lead(self, op) -> int:
+        """How many pages ahead of `op`'s end to be woken (note 9): those the
+        workers finish while the GIL comes back; 0 where it comes back at once,
+        with no pace measured yet, for an op too short to lower the target
+        for, or on any sleep after a wake-ahead for the same op (a stale post
+        may end one early)."""
         if op is self.ahead_op or self.gil_delay_s < AHEAD_MIN_S or self.rate_pps <= 0:
-            return 0, 0.0   # an op is woken ahead of once at most
-        lead_s = AHEAD_SHARE * self.gil_delay_s
-        n = min(int(lead_s * self.rate_pps), op._remaining // 2)
-        nap = 0.0 if n else op._remaining / self.rate_pps - lead_s
-        if n or nap > 0:
+            return 0   # an op is woken ahead of once at most
+        n = min(int(AHEAD_SHARE * self.gil_delay_s * self.rate_pps), op._remaining // 2)
+        if n:
             self.ahead_op = op
-        return n, max(nap, 0.0)
+        return n
 
     def _due_soon(self, op) -> bool:
         """Under slow hand-backs, `op`'s pages are due within SPIN_CAP_S (note 9)."""
@@ -222,13 +219,9 @@ class Waiters:
         self.control.words[WAITERS] -= 1
         self._set_wake_at()
 
-    def _count(self, posted: bool, at: int, follower: bool = False, since=None,
-               nap: float = 0.0) -> None:
+    def _count(self, posted: bool, at: int, follower: bool = False, since=None) -> None:
         if posted:
             self.posted += 1
-        elif nap:  # a nap ahead of the op's end ran out: from then to running is the GIL's price
-            delay = (time.monotonic_ns() - since[0]) / 1e9 - nap
-            self.gil_delay_s += 0.25 * (max(delay, 0.0) - self.gil_delay_s)
         else:
             self.expired += 1
         if not posted or not at or follower or self.engine._released:

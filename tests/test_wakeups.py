@@ -251,12 +251,13 @@ def test_a_batch_due_within_the_spin_cap_is_drained_without_a_sleep(store):
         assert spins >= 1   # (a round whose op was done before wait() needs neither)
 
 
-def test_a_one_page_op_naps_until_shortly_before_it_is_due_then_sleeps_for_its_post(store):
-    """A page too big to wake ahead of by pages (one Mamba state): under slow
-    hand-backs its waiter naps until a little before the page is due (waiters
-    note 9). Here the page is late (its worker is stopped): the nap ends,
-    the waiter sleeps again with no lead, and the page arrives exactly;
-    the nap is no timeout."""
+def test_a_one_page_op_sleeps_once_for_its_post_even_under_slow_hand_backs(store):
+    """A page too big to wake ahead of by pages (one Mamba state, tens of MB):
+    its read time varies too much to guess, and a guess too early costs a
+    second sleep, a second GIL hand-back (decision 85). Under slow hand-backs
+    with a pace measured, its waiter still sleeps once, until the page's
+    post, and the page arrives exactly. Here the page is late (its worker is
+    stopped for 0.1 s): a waiter that napped ahead of it would wake twice."""
     import signal
     import threading
     n = 1
@@ -267,7 +268,7 @@ def test_a_one_page_op_naps_until_shortly_before_it_is_due_then_sleeps_for_its_p
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
         try:
-            w.gil_delay_s, w.rate_pps = 0.005, 100.0   # due in 10 ms: a nap of 6.25 ms
+            w.gil_delay_s, w.rate_pps = 0.005, 100.0   # the page due in 10 ms, by the pace
             eng.host_pool.tensor[1:].fill_(7)
             op = eng.prefetch(keys, [1])
             timer = threading.Timer(0.1, lambda: [os.kill(p, signal.SIGCONT) for p in pids])
@@ -278,6 +279,5 @@ def test_a_one_page_op_naps_until_shortly_before_it_is_due_then_sleeps_for_its_p
         finally:
             for pid in pids:
                 os.kill(pid, signal.SIGCONT)
-        assert w.ahead - ahead0 == 1 and w.expired == expired0 and w.posted - posted0 == 1, \
-            (w.ahead - ahead0, w.expired - expired0, w.posted - posted0)
+        assert (w.ahead - ahead0, w.expired - expired0, w.posted - posted0) == (0, 0, 1)
         assert torch.equal(read_back(eng, [1]).view(torch.int16), data.view(torch.int16))
