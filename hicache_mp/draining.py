@@ -34,8 +34,8 @@ class Draining:
         n = 0
         for handle in pool.workers:
             # Most polls find nothing: keep them to a load each.
-            if not handle.rings_closed and handle.completion.pending():
-                n += self.ring(handle.completion, batch_min)
+            if not handle.rings_closed and handle.completion_ring.pending():
+                n += self.ring(handle.completion_ring, batch_min)
         if evictor is not None and evictor.ring.pending():
             discard = self.core._index.digests.discard
             for digest in evictor.pop()["digest"]:
@@ -92,7 +92,7 @@ class Draining:
             if op is not None:
                 seqs = gilkeep.iota(n, seq0) if at is None else seq0 + at
                 core._apply_many(op, part["page_pos"], part["status"], part["io_ns"],
-                                 part["flags"], seqs, now)
+                                 part["err"], seqs, now)
         return n
 
     def _each(self, recs, seqs, now: int) -> None:
@@ -100,7 +100,7 @@ class Draining:
         ops = core._ops
         for op_id, pos, code, io_ns, err, seq in zip(
                 recs["op_id"].tolist(), recs["page_pos"].tolist(), recs["status"].tolist(),
-                recs["io_ns"].tolist(), recs["flags"].tolist(), seqs):
+                recs["io_ns"].tolist(), recs["err"].tolist(), seqs):
             op = ops.get(op_id)
             if op is not None:
                 core._apply(op, pos, code, io_ns, err, now, seq)

@@ -4,7 +4,7 @@
     -----------------------           --------------                      ----------
     prefetch(keys, slots) ──► check input, reserve slots (EngineCore),
                               one 64-byte record per page, striped over
-                              workers (striping) ────────────────────────► submit_ring[i]
+                              workers (striping) ────────────────────────► read_ring[i]
                               post wake[i] once per batch                   (worker i reads the
     poll() every loop     ──► pop completion rings (draining), advance      file straight into
                               ops, free slots ◄─────────────────────────── the pool slot)
@@ -190,7 +190,7 @@ class PrefetchEngine(EngineCore):
             self._pool.stop()
             for handle in self._pool.workers:  # pages finished before the stop still count
                 if not handle.rings_closed:
-                    self._drain_ring(handle.completion)
+                    self._drain_ring(handle.completion_ring)
             self._pool.close()
 
     def _nudge_io(self) -> None:
@@ -206,8 +206,8 @@ class PrefetchEngine(EngineCore):
         if self._pool is None or self._pool.closed:
             return True
         for handle in self._pool.workers:
-            if not handle.rings_closed and (handle.submit.depth() or handle.write.depth() or
-                                            handle.completion.pending()):
+            if not handle.rings_closed and (handle.read_ring.depth() or handle.write_ring.depth() or
+                                            handle.completion_ring.pending()):
                 return False
         return not self._control.heartbeat[:len(self._pool.workers)].any()
 
@@ -239,9 +239,9 @@ class PrefetchEngine(EngineCore):
             "worker_pages": [int(s[PAGES]) for s in stats],
             **self._waiters.metrics(),
             "worker_bytes": [int(s[BYTES]) for s in stats],
-            "ring_depth": [0 if h.rings_closed else h.submit.depth() + h.write.depth()
+            "ring_depth": [0 if h.rings_closed else h.read_ring.depth() + h.write_ring.depth()
                            for h in pool.workers] if pool else [],
-            "write_ring_depth": [0 if h.rings_closed else h.write.depth()
+            "write_ring_depth": [0 if h.rings_closed else h.write_ring.depth()
                                  for h in pool.workers] if pool else [],
             "respawns": pool.respawns if pool else 0,
             "workers_starting": len(pool.starting) if pool else 0,

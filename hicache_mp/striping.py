@@ -83,13 +83,13 @@ class Striping:
                 if not len(share):
                     continue
             if writes:
-                pushed = handle.write.push(share)
+                pushed = handle.write_ring.push(share)
             else:
                 # Counted before the push: a worker may finish a page before we
                 # could count it after (workers.control: reads outstanding).
                 counts = self.control.workers[handle.index]
                 counts[READS_SUBMITTED] += np.uint64(len(share))
-                pushed = handle.submit.push(share)
+                pushed = handle.read_ring.push(share)
                 counts[READS_SUBMITTED] -= np.uint64(len(share) - pushed)
             if pushed:
                 handle.wake.post()
@@ -109,7 +109,7 @@ class Striping:
         sent = []
         for i in range(min(nw, len(ask))):
             handle = workers[(self.rr + i) % nw]
-            pushed = handle.submit.push(recs[i::nw])
+            pushed = handle.read_ring.push(recs[i::nw])
             if pushed:
                 handle.wake.post()
                 sent.extend(ask[i::nw][:pushed])

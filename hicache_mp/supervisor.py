@@ -130,7 +130,7 @@ class Supervisor:
                 ev.start(self.core.config.worker_start_timeout_s, wait=False)
         for handle in self.pool.dead():
             if not handle.rings_closed:
-                self.drain_ring(handle.completion)  # what it finished before dying still counts
+                self.drain_ring(handle.completion_ring)  # what it finished before dying still counts
             failed = len(self.fail_pages(handle.index))
             log.warning("hicache_mp-worker-%d (pid %d) died with exit code %s; %d in-flight "
                         "page(s) failed; starting a replacement", handle.index, handle.pid,
@@ -168,7 +168,7 @@ class Supervisor:
                 continue
             age_s = float(stalled[index])
             self.pool.kill_stuck(handle)
-            self.drain_ring(handle.completion)  # pages it did finish are good
+            self.drain_ring(handle.completion_ring)  # pages it did finish are good
             slots = self.fail_pages(index, fence=True)
             self.fences.append((handle, slots))
             self.stuck_workers += 1

@@ -33,7 +33,7 @@ RECORD_DTYPE = np.dtype([
     ("page_pos", "<u4"),    # position of the page within its op
     ("kind", "u1"),         # what the record is for: workers.records
     ("status", "u1"),       # on completion: a workers.status code
-    ("flags", "<u2"),
+    ("err", "<u2"),         # on completion: the errno of a failed I/O (0: none)
     ("digest", "u1", (32,)),  # sha256 of (namespace, key): the page's identity
 ])
 assert RECORD_DTYPE.itemsize == 64

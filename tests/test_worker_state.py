@@ -66,7 +66,7 @@ def test_a_killed_worker_is_gone_and_its_replacement_starts_then_is_ready(store)
         new = pool.workers[1]
         assert victim.trail == [S.STARTING, S.READY, S.GONE] and victim.state is S.GONE
         # Reaped before it was replaced: the replacement took its emptied rings.
-        assert victim.rings_closed and new.submit.name == victim.submit.name
+        assert victim.rings_closed and new.read_ring.name == victim.read_ring.name
         assert new.generation == victim.generation + 1
         assert new.state is S.STARTING and pool.starting == [new]
         assert pool.usable() == [pool.workers[0]] and pool.dead() == []
@@ -165,7 +165,7 @@ try:
             time.sleep(0.005)
         new = e._pool.workers[1]
         rounds.append({"trail": [s.name for s in victim.trail], "held": held,
-                       "same_rings": new.submit.name == victim.submit.name,
+                       "same_rings": new.read_ring.name == victim.read_ring.name,
                        "new_trail": [s.name for s in new.trail],
                        "fenced": e.metrics()["fenced_pages"], "dying": len(e._pool.dying)})
         if S.DYING_UNREPLACED in victim.trail:

@@ -74,9 +74,9 @@ class WorkerHandle:
     index: int
     generation: int
     child: Child
-    submit: Ring          # reads (prefetch)
-    write: Ring           # writes (backup): served after reads
-    completion: Ring
+    read_ring: Ring        # reads (prefetch)
+    write_ring: Ring       # writes (backup): served after reads
+    completion_ring: Ring  # both kinds' completions (and probe answers)
     wake: WakeSemaphore
     state: WorkerState = WorkerState.STARTING
     trail: list = field(default_factory=lambda: [WorkerState.STARTING])  # every state, in order
@@ -109,17 +109,17 @@ class WorkerHandle:
         A gap between two looks longer than `watch_gap_s` restarts the count:
         the caller did not poll then, so the worker may have sat on a full
         completion ring, which is no fault of its own."""
-        taken = (self.submit.consumed(), self.write.consumed())
+        taken = (self.read_ring.consumed(), self.write_ring.consumed())
         gap, self.looked_at = now - self.looked_at, now
         if taken != self.seen_taken or gap > watch_gap_s or \
-                not (self.submit.pending() or self.write.pending()):
+                not (self.read_ring.pending() or self.write_ring.pending()):
             self.seen_taken, self.seen_at = taken, now
             return 0.0
         return now - self.seen_at
 
     @property
     def rings(self) -> tuple:
-        return (self.submit, self.write, self.completion, self.wake)
+        return (self.read_ring, self.write_ring, self.completion_ring, self.wake)
 
     def close_rings(self) -> None:
         if not self.rings_closed:

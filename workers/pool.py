@@ -2,7 +2,7 @@
 
     engine (scheduler process)                 worker i  (python -m workers.worker)
     --------------------------                 ------------------------------------
-    submit_ring[i].push(reads) -------------->  pop, do I/O into/out of the pool
+    read_ring[i].push(reads)   -------------->  pop, do I/O into/out of the pool
     write_ring[i].push(writes) -------------->    (reads first: workers.worker)
     wake[i].post()  (once per batch)              (sleeps on wake[i] when idle)
     completion_ring[i].pop()  <---------------  push completion, post done if WAITERS
@@ -185,10 +185,10 @@ class WorkerPool:
                 # Both submit rings may be full at once: the completion ring holds both.
                 made.append(Ring(base + ".cpl", 2 * self.ring_capacity, create=True))
                 made.append(WakeSemaphore(base + ".wake", create=True))
-                submit, write, completion, wake = made
+                read_ring, write_ring, completion_ring, wake = made
             else:
-                submit, write, completion, wake = reuse
-                for ring in (submit, write, completion):
+                read_ring, write_ring, completion_ring, wake = reuse
+                for ring in (read_ring, write_ring, completion_ring):
                     ring.reset()
                 wake.drain()
             row = self.control.workers[index]
@@ -203,9 +203,11 @@ class WorkerPool:
             row[INFLIGHT_KEY] = 0
             row[WANT] = 0  # nor its wait for room (workers.room)
             self.control.heartbeat[index] = 0
-            spec = self.spec.bind(index=index, parent_pid=os.getpid(), read_ring=submit.name,
-                                  write_ring=write.name, completion_ring=completion.name,
-                                  completion_capacity=completion.capacity, wake_sem=wake.name)
+            spec = self.spec.bind(index=index, parent_pid=os.getpid(), read_ring=read_ring.name,
+                                  write_ring=write_ring.name,
+                                  completion_ring=completion_ring.name,
+                                  completion_capacity=completion_ring.capacity,
+                                  wake_sem=wake.name)
             # An fd-mapped pool (SGLang's memfds, which are CLOEXEC): hand exactly
             # those descriptors to the worker, at the same numbers.
             child = Child("workers.worker", f"hicache_mp-worker-{index}", spec.to_json(),
@@ -214,7 +216,8 @@ class WorkerPool:
             for r in made:
                 r.close()
             raise
-        handle = WorkerHandle(index, generation, child, submit, write, completion, wake)
+        handle = WorkerHandle(index, generation, child, read_ring, write_ring, completion_ring,
+                              wake)
         self._handles.append(handle)
         if self.pin_cpus:
             self._pin(handle)

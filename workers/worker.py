@@ -103,7 +103,7 @@ class Worker:
                                  create=False, populate=spec.populate, fd=spec.pool_fd)
         self.read_ring = Ring(spec.read_ring, spec.ring_capacity, create=False)
         self.write_ring = Ring(spec.write_ring, spec.ring_capacity, create=False)
-        self.completion = Ring(spec.completion_ring, spec.completion_capacity, create=False)
+        self.completion_ring = Ring(spec.completion_ring, spec.completion_capacity, create=False)
         self.wake = WakeSemaphore(spec.wake_sem, create=False)
         self.done = WakeSemaphore(spec.done_sem, create=False)
         self.control = Control(spec.control, create=False)
@@ -215,7 +215,7 @@ class Worker:
         out = lane.out
         out[0] = rec
         out["status"][0] = code
-        out["flags"][0] = err
+        out["err"][0] = err
         out["io_ns"][0] = io_ns
         if rec["kind"] == KIND_WRITE:  # settled before anyone sees the write done
             self.writes.write_done(io_ns, code == status.OK)
@@ -231,7 +231,7 @@ class Worker:
             if rec["kind"] == KIND_READ:
                 self.stats[READS_DONE] += 1
                 self.writes.read_counted()  # after READS_DONE: a paused write sees it
-            while self.completion.push(out) == 0:
+            while self.completion_ring.push(out) == 0:
                 # The scheduler has not drained completions yet; it will. Never drop one.
                 if self.parent_gone() or self.control.stopping():
                     return
