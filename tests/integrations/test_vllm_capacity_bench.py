@@ -6,22 +6,18 @@ import os
 
 import pytest
 
-from scriptrun import run_script
-
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed; install it with "
                 "`pip install --no-deps -r .ci/vllm-requirements.txt`", allow_module_level=True)
 
 
 def test_capacity_bench_stays_under_the_limit_and_keeps_new_pages(tmp_path):
+    # main() in this process: the suite imported vLLM at collection (test_vllm_tier),
+    # and a child of its own spent ~5 s of the test importing it again
+    import bench_vllm_capacity
     out = tmp_path / "capacity.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    proc = run_script("scripts/bench_vllm_capacity.py", "--quick",
-                      "--gap-s", "0.5", "--eviction-interval-s", "0.1",
-                      "--store", str(tmp_path / "store"), "--json", str(out),
-                      capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert bench_vllm_capacity.main(["--quick", "--gap-s", "0.5", "--eviction-interval-s", "0.1",
+                                     "--store", str(tmp_path / "store"), "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     page = res["args"]["row_bytes"] + 4096
     assert res["written_bytes"] > 2 * res["limit_bytes"]

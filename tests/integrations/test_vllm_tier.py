@@ -371,18 +371,20 @@ def test_a_poll_with_nothing_new_does_constant_work(store):
         del view
 
 
-def test_bench_smoke(tmp_path):
-    """scripts/bench_vllm_tier.py --quick: every row verified, ratios from the same run."""
+def test_bench_smoke(tmp_path, monkeypatch):
+    """scripts/bench_vllm_tier.py --quick: every row verified, ratios from the same run.
+    Its main() runs in this process, which imported vLLM at collection: a child
+    of its own spent ~8 s of the test importing it again."""
     import json
 
-    from scriptrun import run_script
+    import bench_vllm_tier
+    from vllm.v1.kv_offload.tiering.fs import io, manager
+    # the bench switches vLLM's fs tier between its C helper and Python (set_fs_c)
+    monkeypatch.setattr(io, "_HAS_FSIO_C", io._HAS_FSIO_C)
+    monkeypatch.setattr(manager, "_HAS_BATCH_LOOKUP_C", manager._HAS_BATCH_LOOKUP_C)
     out = tmp_path / "bench.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    proc = run_script("scripts/bench_vllm_tier.py", "--quick", "--io", "warm", "--store",
-                      str(tmp_path / "stores"), "--json", str(out),
-                      capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert bench_vllm_tier.main(["--quick", "--io", "warm", "--store", str(tmp_path / "stores"),
+                                 "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     tiers = {(r["tier"], r["mode"]) for r in res["rows"]}
     assert {("hicache_mp", "idle"), ("hicache_mp", "busy"), ("fs Python", "busy")} <= tiers
