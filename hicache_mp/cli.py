@@ -91,7 +91,7 @@ import os
 import sys
 
 from shm import PageGeometry
-from workers.store import split_spec
+from workers.store import split_dirs
 
 from .bench.sim.bench import (ALL_RUNS, SLEEP0, Bench, BenchConfig, busy_machine_note,
                               fast_file_label, merge_reports, table_rows)
@@ -299,7 +299,7 @@ def cmd_bench(args, argv=None) -> int:
         return _conclude(report, args)
     if args.storage_dir is not None:
         try:  # one clear line now, rather than a traceback from deep inside the warm-up
-            for directory in split_spec(args.storage_dir):  # one, or a striped list
+            for directory in split_dirs(args.storage_dir):  # one, or a striped list
                 os.makedirs(directory, exist_ok=True)
                 if not os.access(directory, os.W_OK | os.X_OK):
                     raise PermissionError(f"[Errno 13] not writable: {directory!r}")

@@ -15,9 +15,9 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 
 from workers.control import MAX_WORKERS
-from workers.store import normalize_spec
+from workers.store import normalize_dirs
 
-from .nodeshare import SCHEDULER_CORES
+from .nodebudget import SCHEDULER_CORES
 
 MAX_IO_DEPTH = 32  # lanes per worker: a bound against typos; depth 4 already never beat 2 (decision 19)
 
@@ -33,7 +33,7 @@ FALSE_WORDS = frozenset({"false", "0", "no", "off"})
 
 def auto_workers() -> int:
     """Physical cores less what one engine keeps for its scheduler's process
-    (hicache_mp.nodeshare.SCHEDULER_CORES), at least one."""
+    (hicache_mp.nodebudget.SCHEDULER_CORES), at least one."""
     import psutil
     cores = psutil.cpu_count(logical=False) or psutil.cpu_count() or 2
     return max(1, cores - SCHEDULER_CORES)
@@ -180,7 +180,7 @@ class EngineConfig:
         # exists (the host pool's size is checked against /dev/shm when it is created).
         for f in settings(type(self)):
             setattr(self, f.name, parse_value(f, getattr(self, f.name)))
-        self.storage_dir = normalize_spec(self.storage_dir)  # one directory, or a list: striped
+        self.storage_dir = normalize_dirs(self.storage_dir)  # one directory, or a list: striped
 
     def resolved_workers(self) -> int:
         return self.num_workers or auto_workers()

@@ -93,7 +93,7 @@ class PrefetchEngine(EngineCore):
         `aux_workers`: this engine is an auxiliary of another in this process
         (a hybrid model's sidecar pool): with auto workers it takes at most
         this many from the node's budget and counts as no scheduler there
-        (hicache_mp.nodeshare).
+        (hicache_mp.nodebudget).
         """
         super().__init__(config, geometry)
         self._segments, self._pool, self._evictor = [], None, None

@@ -31,7 +31,7 @@ from workers.spec import WorkerSpec
 
 from .closing import EngineClosed
 from .config import EngineConfig
-from .nodeshare import NodeShare
+from .nodebudget import NodeBudget
 
 log = logging.getLogger("hicache_mp")
 
@@ -91,7 +91,7 @@ def build(config: EngineConfig, geometry: PageGeometry, roots, *, pool_fd: int |
     if config.num_workers:
         workers = config.num_workers
     else:  # auto: this engine's share of the node's cores (decision 42)
-        share = NodeShare(config.node_engines, aux_cap=aux_workers)
+        share = NodeBudget(config.node_engines, aux_cap=aux_workers)
         workers = share.workers
     ring_capacity = config.resolved_ring_capacity(workers)
     # Everything this engine puts in /dev/shm, counted before any of it is made.

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from hicache_mp import EngineConfig, PrefetchEngine
-from hicache_mp.nodeshare import NODE_CORES_ENV, NODE_DIR_ENV, NodeShare, budget_share, \
+from hicache_mp.nodebudget import NODE_CORES_ENV, NODE_DIR_ENV, NodeBudget, budget_share, \
     live_shares
 from shm import PageGeometry
 
@@ -28,8 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # and holds it until its stdin closes.
 SHARE = """
 import sys; sys.path.insert(0, sys.argv[1])
-from hicache_mp.nodeshare import NodeShare
-share = NodeShare(int(sys.argv[2]), cores=int(sys.argv[3]))
+from hicache_mp.nodebudget import NodeBudget
+share = NodeBudget(int(sys.argv[2]), cores=int(sys.argv[3]))
 print(share.workers, flush=True); sys.stdin.read(); share.close()
 """
 ENGINE = """
@@ -81,7 +81,7 @@ def test_shares_across_processes_and_a_dead_engine_frees_its_share(node):
 
         os.kill(procs[1].pid, signal.SIGKILL)  # its share must come back
         procs[1].wait(10)
-        late = NodeShare(0, directory=node, cores=16)  # not announced by node_engines
+        late = NodeBudget(0, directory=node, cores=16)  # not announced by node_engines
         try:
             assert late.engines == 3 and late.workers == 3
             assert len(os.listdir(node)) == 3  # the dead engine's entry was removed
@@ -130,7 +130,7 @@ def test_auxiliary_engines_take_from_the_budget_but_are_no_schedulers(node):
     shares = []
     try:
         def share(**kw):
-            shares.append(NodeShare(2, directory=node, cores=12, **kw))
+            shares.append(NodeBudget(2, directory=node, cores=12, **kw))
             return shares[-1].workers
 
         assert share() == 4                  # rank 0's KV engine: (12 - 2 x 2) // 2
@@ -140,7 +140,7 @@ def test_auxiliary_engines_take_from_the_budget_but_are_no_schedulers(node):
         assert share(aux_cap=2) == 1         # none left: still one, never none
         live = live_shares(node, prune=False)
         assert sorted(live.values()) == [1, 2, 2, 4]
-        late = NodeShare(0, directory=node, cores=12)   # 2 schedulers, not 4
+        late = NodeBudget(0, directory=node, cores=12)   # 2 schedulers, not 4
         shares.append(late)
         assert late.engines == 3
     finally:

@@ -1,7 +1,7 @@
 """The page-store seam: what a worker, the evictor, the index and clear() may ask of a store.
 
 Owns the interface (`PageStore`), the settings a store's I/O follows
-(`StoreIO`), the free-space helper, the `storage_dir` spec's syntax and the
+(`StoreIO`), the free-space helper, the `storage_dir` syntax and the
 mode of a store's directories. Must not know about rings, ops, the pool
 layout or torch, nor which stores exist (workers.stores, the factory, names
 them and imports this module): a store moves one page between iovecs and its
@@ -26,7 +26,7 @@ worker may pause it while reads wait (a store that writes whole ignores it). An 
 (io_uring) would add a submit/reap pair beside read/write; the worker's
 `serve` is already split into a start and a completion half for it.
 
-A store is opened by `workers.stores.open_store(spec, io)`.
+A store is opened by `workers.stores.open_store(storage_dir, io)`.
 """
 import os
 from dataclasses import dataclass
@@ -105,18 +105,18 @@ def free_bytes(path: str) -> int | None:
     return vfs.f_bavail * vfs.f_frsize
 
 
-def split_spec(spec: str) -> list[str]:
-    """The directories a `storage_dir` spec names: one, or a comma-separated list."""
-    parts = [p.strip() for p in str(spec).split(",")]
+def split_dirs(storage_dir: str) -> list[str]:
+    """The directories a `storage_dir` names: one, or a comma-separated list."""
+    parts = [p.strip() for p in str(storage_dir).split(",")]
     if not all(parts):
-        raise ValueError(f"storage_dir {spec!r} has an empty entry")
+        raise ValueError(f"storage_dir {storage_dir!r} has an empty entry")
     return parts
 
 
-def normalize_spec(spec: str) -> str:
-    """The spec with each directory absolute and expanded; ValueError for a bad list."""
-    dirs = [os.path.abspath(os.path.expanduser(p)) for p in split_spec(spec)]
+def normalize_dirs(storage_dir: str) -> str:
+    """`storage_dir` with each directory absolute and expanded; ValueError for a bad list."""
+    dirs = [os.path.abspath(os.path.expanduser(p)) for p in split_dirs(storage_dir)]
     if len(set(dirs)) != len(dirs):
-        raise ValueError(f"storage_dir {spec!r} names a directory twice")
+        raise ValueError(f"storage_dir {storage_dir!r} names a directory twice")
     return ",".join(dirs)
 

@@ -16,12 +16,12 @@ fills ends its own pages as clean misses and failed writes, and the others
 go on.
 """
 from workers.filestore import FileStore
-from workers.store import PageStore, Scan, StoreIO, split_spec
+from workers.store import PageStore, Scan, StoreIO, split_dirs
 
 
 class StripedStore(PageStore):
-    def __init__(self, spec: str, io: StoreIO | None = None):
-        self.roots = split_spec(spec)
+    def __init__(self, storage_dir: str, io: StoreIO | None = None):
+        self.roots = split_dirs(storage_dir)
         self.stores = [FileStore(root, io) for root in self.roots]
 
     def part(self, digest: bytes) -> FileStore:

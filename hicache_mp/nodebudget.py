@@ -123,7 +123,7 @@ def budget_share(cores: int, engines: int, taken: int) -> int:
     return max(1, min(share, budget - taken))
 
 
-class NodeShare:
+class NodeBudget:
     """One engine's registration; `workers` is its share. close() frees it."""
 
     def __init__(self, node_engines: int = 0, *, directory: str | None = None,
