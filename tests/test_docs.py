@@ -119,3 +119,19 @@ def test_every_decision_is_a_headed_record_in_the_index():
                if rows.get(n) != w]
     assert missing == [], "docs/decisions/README.md lacks or misstates these rows"
     assert set(rows) == set(records), "the index names records that do not exist"
+
+
+def test_the_design_names_every_module_of_the_product():
+    """docs/design.md's map of the parts stays true as modules come and go:
+    each module of shm/, workers/ and hicache_mp/ is named there (by its file
+    name, as the module tables and lists spell them)."""
+    design = _read("docs", "design.md")
+    named = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*\.py", design))
+    missing = []
+    for pkg in ("shm", "workers", "hicache_mp"):
+        for d, dirs, files in os.walk(os.path.join(ROOT, pkg)):
+            dirs[:] = [x for x in dirs if x != "__pycache__"]
+            missing += [os.path.relpath(os.path.join(d, f), ROOT) for f in files
+                        if f.endswith(".py") and f != "__init__.py" and f not in named]
+    assert len(named) > 20  # the scan read the tables
+    assert not missing, f"modules docs/design.md does not name: {sorted(missing)}"
