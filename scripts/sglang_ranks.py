@@ -4,7 +4,8 @@ Each rank is its own process, as SGLang runs them: its own GPU (when there
 are GPUs), host pool on the "shm" allocator, HiCacheController and hicache_mp
 engine with `auto` workers (so the ranks split the node's worker budget,
 decision 42), and a pure-Python busy scheduler. First one rank alone, then
-all ranks together, started behind a barrier so their rounds overlap. MHA
+all ranks together, started behind a barrier so their rounds overlap (the
+lone rank's process, its stack closed, is rank 0 of those). MHA
 ranks keep their own pages (TP-suffixed keys). Reports per rank: workers,
 median round time and GB/s, the busy loop's it/s, wrong pages; and the
 checks of issue 13: workers + schedulers <= cores, each loop rate against
@@ -17,6 +18,7 @@ drifts), aggregate GB/s against the lone rank's.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -31,14 +33,26 @@ sys.path.insert(0, HERE)
 import sglang_stack as S  # noqa: E402
 
 
+RESULT = "result "  # a rank's JSON line starts so (SGLang logs to stdout too)
+
+
 def rank_main(argv) -> None:
-    """One rank: set up, say "ready", wait for "go" on stdin, run, print JSON."""
-    rank, ranks, store = int(argv[0]), int(argv[1]), argv[2]
-    args = S.parse(argv[3:])
+    """A rank's process: import SGLang's stack and say "imported"; then, for each
+    {"rank", "ranks", "store"} line on stdin, one rank's run (rank_run). EOF ends it."""
     import torch
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
     sgl = S.R.import_stack()
+    print("imported", flush=True)
+    for line in iter(sys.stdin.readline, ""):
+        job = json.loads(line)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(job["rank"] % torch.cuda.device_count())
+        out = rank_run(sgl, job["rank"], job["ranks"], job["store"], S.parse(argv))
+        print(RESULT + json.dumps(out), flush=True)
+
+
+def rank_run(sgl, rank: int, ranks: int, store: str, args) -> dict:
+    """One rank: set up, say "ready", wait for "go" on stdin, run; its figures."""
+    import torch
     if not torch.cuda.is_available() or torch.cuda.device_count() < ranks:
         # fewer GPUs than ranks (a test box): SGLang's adapter counts at most one
         # rank per GPU, so say how many engines share the node
@@ -65,47 +79,66 @@ def rank_main(argv) -> None:
         s.read(S.Scheduler(False))  # then one round with every page compared
         gb = s.pages * s.hp.get_size_per_token() * s.P / 1e9
         be = s.ctl.storage_backend
-        out = {"rank": rank, "workers": getattr(be, "_backend", be).engine.metrics()["workers"],
-               "round_s": statistics.median(times), "gbps": gb / statistics.median(times),
-               "gb_total": gb * args.runs, "span_s": span, "loop_rate": statistics.median(rates),
-               "loop_alone": statistics.mean(alone),
-               "loop_share": statistics.median(rates) / statistics.mean(alone),
-               "wrong_pages": s.wrong_pages, "checked_pages": s.checked_pages}
+        return {"rank": rank, "workers": getattr(be, "_backend", be).engine.metrics()["workers"],
+                "round_s": statistics.median(times), "gbps": gb / statistics.median(times),
+                "gb_total": gb * args.runs, "span_s": span, "loop_rate": statistics.median(rates),
+                "loop_alone": statistics.mean(alone),
+                "loop_share": statistics.median(rates) / statistics.mean(alone),
+                "wrong_pages": s.wrong_pages, "checked_pages": s.checked_pages}
     finally:
         s.close()
-    print(json.dumps(out), flush=True)
 
 
-def run_ranks(n: int, store: str, rest: list[str]) -> list[dict]:
+def _line(p, want) -> str:
+    """The next line of rank process `p`'s output that `want` accepts."""
+    for line in p.stdout:
+        if want(line):
+            return line
+    raise RuntimeError(f"rank process {p.pid} ended (exit {p.wait()})")
+
+
+def start_ranks(n: int, rest: list[str]) -> list:
+    """n rank processes, each with SGLang's stack imported (the lone run reuses
+    the first: an import is most of a rank's start on a small box)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.path.dirname(HERE) + os.pathsep + env.get("PYTHONPATH", "")
-    procs = [subprocess.Popen([sys.executable, __file__, "--rank-child", str(i), str(n), store,
-                               *rest], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env=env) for i in range(n)]
+    procs = [subprocess.Popen([sys.executable, __file__, "--rank-child", *rest],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(n)]
     try:
-        for p in procs:
-            while True:
-                line = p.stdout.readline()
-                if not line:
-                    raise RuntimeError("a rank failed before it was ready")
-                if line.strip() == "ready":
-                    break
-        for p in procs:  # the barrier: every rank set up, then all go
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        out = []
-        for p in procs:
-            last = None
-            for line in p.stdout:
-                if line.startswith("{"):
-                    last = json.loads(line)
-            out.append(last)
-        return out
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        for p in procs:  # all imported before the lone run: none competes with it
+            _line(p, lambda line: line.strip() == "imported")
+    except BaseException:
+        stop_ranks(procs, kill=True)
+        raise
+    return procs
+
+
+def stop_ranks(procs, kill: bool = False) -> None:
+    """EOF on its stdin ends each rank's process (`kill`: at once, as after a failure)."""
+    for p in procs:
+        with contextlib.suppress(OSError):
+            p.stdin.close()
+    for p in procs:
+        try:
+            p.wait(0 if kill else 30)
+        except subprocess.TimeoutExpired:
+            p.kill()
             p.wait()
+
+
+def run_ranks(procs, store: str) -> list[dict]:
+    """One run of len(procs) ranks, one in each process, rounds behind a barrier."""
+    for i, p in enumerate(procs):
+        p.stdin.write(json.dumps({"rank": i, "ranks": len(procs), "store": store}) + "\n")
+        p.stdin.flush()
+    for p in procs:
+        _line(p, lambda line: line.strip() == "ready")
+    for p in procs:  # the barrier: every rank set up, then all go
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    return [json.loads(_line(p, lambda line: line.startswith(RESULT))[len(RESULT):])
+            for p in procs]
 
 
 def main(argv=None) -> dict:
@@ -123,9 +156,15 @@ def main(argv=None) -> dict:
     import psutil
     cores = int(os.environ.get("HICACHE_MP_NODE_CORES") or psutil.cpu_count(logical=False) or 1)
     res = {"cores": cores, "ranks": n}
-    with tempfile.TemporaryDirectory(prefix="hicache_mp-ranks-") as root:
-        res["lone"] = run_ranks(1, os.path.join(root, "lone"), argv)[0]
-        res["together"] = run_ranks(n, os.path.join(root, "together"), argv)
+    procs = start_ranks(n, argv)
+    try:
+        with tempfile.TemporaryDirectory(prefix="hicache_mp-ranks-") as root:
+            res["lone"] = run_ranks(procs[:1], os.path.join(root, "lone"))[0]
+            res["together"] = run_ranks(procs, os.path.join(root, "together"))
+    except BaseException:
+        stop_ranks(procs, kill=True)
+        raise
+    stop_ranks(procs)
     lone, tog = res["lone"], res["together"]
     # concurrent ranks: aggregate = all bytes over the longest rank's span
     agg = sum(r["gb_total"] for r in tog) / max(r["span_s"] for r in tog)
@@ -150,8 +189,8 @@ def main(argv=None) -> dict:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--rank-child":
         rank_main(sys.argv[2:])
-        # Its JSON is out and its stack closed: the parent reads to EOF, which
-        # the interpreter's teardown of torch and SGLang would hold up ~2 s.
+        # Its JSON is out and its stack closed: the parent waits for its exit,
+        # which the interpreter's teardown of torch and SGLang would hold up ~2 s.
         sys.stdout.flush()
         os._exit(0)
     else:
