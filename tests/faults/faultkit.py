@@ -234,6 +234,21 @@ def _wait_stopped(pid: int) -> None:
         time.sleep(0.0001)
 
 
+def resume_when_told_to_stop(eng, worker) -> None:
+    """SIGCONT the SIGSTOPped `worker` (a WorkerHandle of `eng`) once eng's
+    close() has told its workers to stop: its flush is over by then and what
+    the worker held is left to be cancelled. The worker then exits at once,
+    where close() would sit out STOP_GRACE_S (2 s) before its SIGKILL (a test
+    of that bound lets it). Its stop word is set before close() waits on it."""
+    child = worker.child
+    wait_for_exit = child.stop
+
+    def stop(deadline):
+        os.kill(child.pid, signal.SIGCONT)
+        wait_for_exit(deadline)
+    child.stop = stop
+
+
 # --- running without root's permission override -----------------------------------
 CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER = 1, 2, 3
 PR_CAPBSET_DROP = 24

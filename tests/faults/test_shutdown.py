@@ -11,7 +11,7 @@ import pytest
 
 from hicache_mp import EngineClosed
 
-from faultkit import BIG, content, get, make, put
+from faultkit import BIG, content, get, make, put, resume_when_told_to_stop
 
 N = 16
 
@@ -54,6 +54,7 @@ def test_flush_false_does_not_wait(store):
     e = make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1)
     _fill(e, keys, range(N))
     os.kill(e._pool.workers[1].pid, signal.SIGSTOP)
+    resume_when_told_to_stop(e, e._pool.workers[1])  # the bound is the test above's
     op = e.backup(keys, range(N))
     t0 = time.monotonic()
     e.close(flush=False)
@@ -68,6 +69,7 @@ def test_a_bounded_flush_says_what_it_left(store, caplog):
     e = make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1)
     _fill(e, keys, range(N))
     os.kill(e._pool.workers[1].pid, signal.SIGSTOP)
+    resume_when_told_to_stop(e, e._pool.workers[1])
     op = e.backup(keys, range(N))
     with caplog.at_level("WARNING", logger="hicache_mp"):
         e.close(timeout_s=0.5)
