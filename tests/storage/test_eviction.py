@@ -1,7 +1,9 @@
 """Capacity: the evictor keeps the store under `storage_max_bytes` (and above
 `storage_min_free_bytes`) while reads go on, by last access, never removing a
-page that an op in flight names; writes that would cross a limit are dropped
-with a status at once; the index forgets what was evicted.
+page that an op in flight names; a write that would cross a limit waits (in
+its worker, bounded) for the evictor to make room, and is dropped with a
+status when no room can come (decision 84); the index forgets what was
+evicted.
 """
 import os
 import signal
@@ -121,6 +123,9 @@ def test_pages_in_flight_survive_eviction(store):
 
 
 def test_write_over_max_bytes_is_dropped_with_a_status_never_stalled(store):
+    """Bytes the evictor may not remove hold the store over its limit: a pass
+    that removes nothing tells the waiting writes no room is coming, so they
+    end dropped well within the bound, never stalled."""
     with _limited(store, 12, pages=16, workers=2) as e:
         # Bytes the evictor may not remove: a live writer's temp file (ours).
         d = os.path.join(store, "ab", "cd")
