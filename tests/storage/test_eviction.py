@@ -1,9 +1,7 @@
 """Capacity: the evictor keeps the store under `storage_max_bytes` (and above
 `storage_min_free_bytes`) while reads go on, by last access, never removing a
-page that an op in flight names; a write that would cross a limit waits (in
-its worker, bounded) for the evictor to make room, and is dropped with a
-status when no room can come (decision 84); the index forgets what was
-evicted.
+page that an op in flight names; writes that would cross a limit are dropped
+with a status at once; the index forgets what was evicted.
 """
 import os
 import signal
@@ -14,6 +12,7 @@ import pytest
 from faultkit import BIG, backup, content, fingerprint, make, page_file, prefetch, \
     put, settle, stop_during_io, store_files, wrong_pages
 from shm import PageGeometry
+from workers.control import EVICT_PASSES
 from workers.evictlease import LEASE_NAME
 from workers.evictor import headroom_bytes
 from storagekit import ALIGNED, FILE_BYTES, cont, mount, need_root, stop_workers, store_bytes, \
@@ -35,17 +34,22 @@ def _evicted(e, n, timeout_s=10.0):
     return settle(lambda: e.poll() is not None and e.metrics()["evicted_pages"] >= n, timeout_s)
 
 
-def _evictor_idle(e, quiet_s=0.5, timeout_s=10.0):
-    """Wait until a pass in progress has ended: no eviction heard of for quiet_s."""
-    last, since, deadline = None, time.monotonic(), time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        e.poll()
-        now = e.metrics()["evicted_pages"]
-        if now != last:
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            return
-        time.sleep(0.05)
+def _passes(e) -> int:
+    return int(e._control.words[EVICT_PASSES])
+
+
+def _a_pass_begun_now_ended(e, timeout_s=10.0):
+    """Return once a pass of e's evictor that began after this call has ended,
+    its removals heard of (each is on the evict ring before the pass is
+    counted). The first pass counted from now is the one in progress, if any,
+    or the one a wake-up posted now starts; a second wake-up and pass cover
+    the first case."""
+    first = _passes(e)
+    e._evictor.wake.post()
+    assert settle(lambda: _passes(e) > first, timeout_s), "the evictor ran no pass"
+    e._evictor.wake.post()
+    assert settle(lambda: _passes(e) > first + 1, timeout_s), "the evictor ran no pass"
+    e.poll()
 
 
 def test_store_stays_under_max_bytes_while_serving_reads(store):
@@ -66,7 +70,7 @@ def test_store_stays_under_max_bytes_while_serving_reads(store):
             peak = max(peak, store_bytes(store))
             assert peak <= limit, f"store at {peak} bytes, limit {limit} (round {rnd})"
         assert _evicted(e, 30)
-        _evictor_idle(e)
+        _a_pass_begun_now_ended(e)
         assert store_bytes(store) <= limit
         # The index forgot what was evicted: it claims exactly the pages on disk.
         claimed = {k for k in written if e.exists([k])}
@@ -90,7 +94,7 @@ def test_eviction_follows_last_access_recorded_by_workers(store):
         # A pass evicts down to 8 files by its estimate, which counts writes in
         # flight (and may count one twice): 5 to 9 pages, the least recently used.
         assert _evicted(e, 4)
-        _evictor_idle(e)
+        _a_pass_begun_now_ended(e)
         for k in hot + new:
             assert os.path.exists(page_file(e, k)), f"recently used {k} was evicted"
         gone = [k for k in cold if not os.path.exists(page_file(e, k))]
@@ -110,8 +114,7 @@ def test_pages_in_flight_survive_eviction(store):
             # A pass evicts down to 8 files (8 pages); one that ran while b was still
             # writing removed fewer. Either way, the oldest pages that are not in flight.
             assert _evicted(a, 4)
-            time.sleep(0.5)
-            a.poll()
+            _a_pass_begun_now_ended(a)
             for k in queued:
                 assert os.path.exists(page_file(a, k)), f"{k} was evicted while in flight"
             gone = [k for k in old[4:] if not os.path.exists(page_file(a, k))]
@@ -123,9 +126,6 @@ def test_pages_in_flight_survive_eviction(store):
 
 
 def test_write_over_max_bytes_is_dropped_with_a_status_never_stalled(store):
-    """Bytes the evictor may not remove hold the store over its limit: a pass
-    that removes nothing tells the waiting writes no room is coming, so they
-    end dropped well within the bound, never stalled."""
     with _limited(store, 12, pages=16, workers=2) as e:
         # Bytes the evictor may not remove: a live writer's temp file (ours).
         d = os.path.join(store, "ab", "cd")
@@ -134,7 +134,7 @@ def test_write_over_max_bytes_is_dropped_with_a_status_never_stalled(store):
         with open(tmp, "wb") as f:
             f.truncate(13 * FILE_BYTES)
         try:
-            time.sleep(0.5)  # an evictor pass sees the store over its limit
+            _a_pass_begun_now_ended(e)  # it saw the store over its limit
             t0 = time.monotonic()
             for k, s in zip(["x0", "x1", "x2"], range(3)):
                 put(e, s, content(k, e.geometry.page_bytes))
@@ -146,7 +146,7 @@ def test_write_over_max_bytes_is_dropped_with_a_status_never_stalled(store):
             assert not os.path.exists(page_file(e, "x0"))
         finally:
             os.unlink(tmp)
-        time.sleep(0.5)  # the next pass sees the space back
+        _a_pass_begun_now_ended(e)  # it saw the space back
         assert backup(e, ["x0"], [0]).status == "ok"
 
 
@@ -277,7 +277,7 @@ def test_a_pass_counts_a_write_in_flight_once(tmp_path, ndirs, met):
             if met == "temp file":
                 e._evictor.wake.post()
                 assert _evicted(e, sum(before) - sum(expect))
-                _evictor_idle(e)
+                _a_pass_begun_now_ended(e)
             else:
                 os.kill(evictor, signal.SIGSTOP)
                 e._evictor.wake.post()
@@ -288,7 +288,7 @@ def test_a_pass_counts_a_write_in_flight_once(tmp_path, ndirs, met):
                 assert os.path.exists(page_file(e, key)) and not os.path.exists(tmp)
                 os.kill(evictor, signal.SIGCONT)
                 assert _evicted(e, sum(before) - sum(expect))
-                _evictor_idle(e)
+                _a_pass_begun_now_ended(e)
         finally:
             os.kill(evictor, signal.SIGCONT)
             os.kill(worker, signal.SIGCONT)
