@@ -23,6 +23,7 @@ import numpy as np
 
 from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine
 from workers import naming
+from workers.control import EVICT_PASSES
 from workers.stores import open_store
 
 TINY = dict(num_layers=3, num_kv_heads=2, head_dim=16, page_size=4)       # 1.5 KiB pages
@@ -124,6 +125,24 @@ def settle(check, timeout_s: float = 5.0, step: float = 0.05):
         if got or time.monotonic() > deadline:
             return got
         time.sleep(step)
+
+
+def evictor_passes(eng) -> int:
+    """Passes eng's evictor has ended (each counted after its removals are on the evict ring)."""
+    return int(eng._control.words[EVICT_PASSES])
+
+
+def a_pass_begun_now_ended(eng, timeout_s: float = 10.0) -> None:
+    """Return once a pass of eng's evictor that began after this call has
+    ended, its removals heard of. The first pass counted from now is the one
+    in progress, if any, or the one a wake-up posted now starts; a second
+    wake-up and pass cover the first case."""
+    first = evictor_passes(eng)
+    for n in (1, 2):
+        eng._evictor.wake.post()
+        assert settle(lambda: evictor_passes(eng) >= first + n, timeout_s, 0.002), \
+            "the evictor ran no pass"
+    eng.poll()
 
 
 def capture_log() -> list[str]:

@@ -12,7 +12,7 @@ import threading
 import time
 
 import jfs
-from faultkit import MID, content, make, put, settle
+from faultkit import MID, a_pass_begun_now_ended, content, evictor_passes, make, put, settle
 from workers import evictlease
 from workers.evictlease import LEASE_NAME
 from workers.evictor import headroom_bytes
@@ -108,17 +108,12 @@ def test_two_nodes_evictors_keep_the_shared_store_near_its_limit(nodes, volume):
                                   for d in (nodes.a, nodes.b)), 3)
 
 
-def _settled(engines, root, h, timeout_s=10.0):
-    """Poll until the store is inside its limit and nothing changes for a while."""
-    last, deadline = None, time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for e in engines:
-            e.poll()
-        now = (*(e.metrics()["evicted_pages"] for e in engines), _scan(root)[1])
-        if now == last and now[-1] <= LIMIT - h:
-            return
-        last = now
-        time.sleep(0.3)
+def _evicted_then_idle(e, n, timeout_s=10.0):
+    """Wait until e has heard of n evictions, then for a pass of its evictor
+    begun after that to end (one that removed more is counted by then)."""
+    assert settle(lambda: e.poll() is not None and e.metrics()["evicted_pages"] >= n,
+                  timeout_s, 0.01), e.metrics()["evicted_pages"]
+    a_pass_begun_now_ended(e)
 
 
 def _fill(root, keys):
@@ -137,24 +132,25 @@ def test_an_evictor_waits_while_another_node_holds_the_lease(nodes):
     far past the limit, removes nothing until B gives the lease back, then
     makes room once. A lease whose holder died (not refreshed for LEASE_S)
     is broken and taken over."""
-    h = headroom_bytes(LIMIT, 0, FILE)
     cfg = dict(geo=MID, pages=16, workers=1, storage_max_bytes=LIMIT, eviction_interval_s=0.05)
     with make(nodes.a, **cfg) as a:
         held = evictlease.take(nodes.b)
         assert held is not None and evictlease.take(nodes.a) is None  # one holder at a time
         _fill(nodes.a, [f"old{i}" for i in range(112)])
+        passes = evictor_passes(a)
         a._evictor.wake.post()
-        time.sleep(1.0)  # twenty of A's passes
+        # five of A's passes (a second of them here), each one past the limit with the
+        # lease held elsewhere
+        assert settle(lambda: evictor_passes(a) >= passes + 5, 10, 0.01)
         a.poll()
         assert a.metrics()["evicted_pages"] == 0 and len(_scan(nodes.a)[0]) == 112
         held.release()
-        _settled((a,), nodes.a, h)
+        _evicted_then_idle(a, 56)  # once mount a's entry cache lets the lease go
         assert a.metrics()["evicted_pages"] == 112 - len(_scan(nodes.a)[0]) == 56
         # A holder that died: its lease is not refreshed; after LEASE_S it is broken.
         dead = evictlease.take(nodes.b)
         old = time.time() - evictlease.LEASE_S - 1
         os.utime(os.path.join(nodes.b, evictlease.LEASE_NAME), (old, old))
         _fill(nodes.a, [f"new{i}" for i in range(32)])
-        a._evictor.wake.post()
-        _settled((a,), nodes.a, h)
+        _evicted_then_idle(a, 56 + 32)  # once mount a's attribute cache shows its age
         assert a.metrics()["evicted_pages"] == 56 + 32 and not dead.held()

@@ -9,10 +9,9 @@ import time
 
 import pytest
 
-from faultkit import BIG, backup, content, fingerprint, make, page_file, prefetch, \
-    put, settle, stop_during_io, store_files, wrong_pages
+from faultkit import BIG, a_pass_begun_now_ended, backup, content, fingerprint, make, \
+    page_file, prefetch, put, settle, stop_during_io, store_files, wrong_pages
 from shm import PageGeometry
-from workers.control import EVICT_PASSES
 from workers.evictlease import LEASE_NAME
 from workers.evictor import headroom_bytes
 from storagekit import ALIGNED, FILE_BYTES, cont, mount, need_root, stop_workers, store_bytes, \
@@ -34,24 +33,6 @@ def _evicted(e, n, timeout_s=10.0):
     return settle(lambda: e.poll() is not None and e.metrics()["evicted_pages"] >= n, timeout_s)
 
 
-def _passes(e) -> int:
-    return int(e._control.words[EVICT_PASSES])
-
-
-def _a_pass_begun_now_ended(e, timeout_s=10.0):
-    """Return once a pass of e's evictor that began after this call has ended,
-    its removals heard of (each is on the evict ring before the pass is
-    counted). The first pass counted from now is the one in progress, if any,
-    or the one a wake-up posted now starts; a second wake-up and pass cover
-    the first case."""
-    first = _passes(e)
-    e._evictor.wake.post()
-    assert settle(lambda: _passes(e) > first, timeout_s), "the evictor ran no pass"
-    e._evictor.wake.post()
-    assert settle(lambda: _passes(e) > first + 1, timeout_s), "the evictor ran no pass"
-    e.poll()
-
-
 def test_store_stays_under_max_bytes_while_serving_reads(store):
     limit = 24 * FILE_BYTES
     with _limited(store, 24, pages=32, workers=2) as e:
@@ -70,7 +51,7 @@ def test_store_stays_under_max_bytes_while_serving_reads(store):
             peak = max(peak, store_bytes(store))
             assert peak <= limit, f"store at {peak} bytes, limit {limit} (round {rnd})"
         assert _evicted(e, 30)
-        _a_pass_begun_now_ended(e)
+        a_pass_begun_now_ended(e)
         assert store_bytes(store) <= limit
         # The index forgot what was evicted: it claims exactly the pages on disk.
         claimed = {k for k in written if e.exists([k])}
@@ -94,7 +75,7 @@ def test_eviction_follows_last_access_recorded_by_workers(store):
         # A pass evicts down to 8 files by its estimate, which counts writes in
         # flight (and may count one twice): 5 to 9 pages, the least recently used.
         assert _evicted(e, 4)
-        _a_pass_begun_now_ended(e)
+        a_pass_begun_now_ended(e)
         for k in hot + new:
             assert os.path.exists(page_file(e, k)), f"recently used {k} was evicted"
         gone = [k for k in cold if not os.path.exists(page_file(e, k))]
@@ -114,7 +95,7 @@ def test_pages_in_flight_survive_eviction(store):
             # A pass evicts down to 8 files (8 pages); one that ran while b was still
             # writing removed fewer. Either way, the oldest pages that are not in flight.
             assert _evicted(a, 4)
-            _a_pass_begun_now_ended(a)
+            a_pass_begun_now_ended(a)
             for k in queued:
                 assert os.path.exists(page_file(a, k)), f"{k} was evicted while in flight"
             gone = [k for k in old[4:] if not os.path.exists(page_file(a, k))]
@@ -134,7 +115,7 @@ def test_write_over_max_bytes_is_dropped_with_a_status_never_stalled(store):
         with open(tmp, "wb") as f:
             f.truncate(13 * FILE_BYTES)
         try:
-            _a_pass_begun_now_ended(e)  # it saw the store over its limit
+            a_pass_begun_now_ended(e)  # it saw the store over its limit
             t0 = time.monotonic()
             for k, s in zip(["x0", "x1", "x2"], range(3)):
                 put(e, s, content(k, e.geometry.page_bytes))
@@ -146,7 +127,7 @@ def test_write_over_max_bytes_is_dropped_with_a_status_never_stalled(store):
             assert not os.path.exists(page_file(e, "x0"))
         finally:
             os.unlink(tmp)
-        _a_pass_begun_now_ended(e)  # it saw the space back
+        a_pass_begun_now_ended(e)  # it saw the space back
         assert backup(e, ["x0"], [0]).status == "ok"
 
 
@@ -277,7 +258,7 @@ def test_a_pass_counts_a_write_in_flight_once(tmp_path, ndirs, met):
             if met == "temp file":
                 e._evictor.wake.post()
                 assert _evicted(e, sum(before) - sum(expect))
-                _a_pass_begun_now_ended(e)
+                a_pass_begun_now_ended(e)
             else:
                 os.kill(evictor, signal.SIGSTOP)
                 e._evictor.wake.post()
@@ -288,7 +269,7 @@ def test_a_pass_counts_a_write_in_flight_once(tmp_path, ndirs, met):
                 assert os.path.exists(page_file(e, key)) and not os.path.exists(tmp)
                 os.kill(evictor, signal.SIGCONT)
                 assert _evicted(e, sum(before) - sum(expect))
-                _a_pass_begun_now_ended(e)
+                a_pass_begun_now_ended(e)
         finally:
             os.kill(evictor, signal.SIGCONT)
             os.kill(worker, signal.SIGCONT)
