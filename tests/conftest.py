@@ -120,6 +120,35 @@ def nothing_left_behind_by_the_module():
     yield from _guard("module")
 
 
+_IMPORT_CHECK = os.path.join(ROOT, "tests", "test_imports.py")
+
+
+def _collects(config, path: str) -> bool:
+    """Do this session's arguments name `path`, or a folder above it?"""
+    bases = {str(config.invocation_params.dir), str(config.rootpath)}
+    for arg in config.args:
+        for base in bases:
+            target = os.path.abspath(os.path.join(base, arg.split("::")[0]))
+            if path == target or path.startswith(target.rstrip(os.sep) + os.sep):
+                return True
+    return False
+
+
+def pytest_sessionstart(session):
+    """The fresh-interpreter import check (test_imports.py) starts at once, in
+    the background: its preload of the third-party libraries then runs beside
+    the collection's imports of the same ones, on the other core."""
+    if _collects(session.config, _IMPORT_CHECK):
+        import test_imports
+        test_imports.start_early()
+
+
+def pytest_unconfigure(config):
+    check = sys.modules.get("test_imports")
+    if check is not None:
+        check.stop_early()  # deselected, or the session was cut short
+
+
 @pytest.fixture
 def store(tmp_path):
     d = tmp_path / "store"

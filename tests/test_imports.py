@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import hicache_mp
 
@@ -143,13 +144,51 @@ os._exit(0)  # no teardown of torch, SGLang and vLLM (seconds): the answer is ou
 """
 
 
+class _Run:
+    """The RUNNER's process, its output in temporary files (no pipe to fill)."""
+
+    def __init__(self):
+        preload = sorted({t for _, _, third in SCANS.values() for t in third})
+        self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen([sys.executable, "-c", RUNNER, json.dumps(sorted(MODULES)),
+                                      json.dumps(preload)], cwd=ROOT, stdin=subprocess.DEVNULL,
+                                     stdout=self.out, stderr=self.err, text=True)
+
+    def result(self, timeout_s: float) -> tuple[int, str, str]:
+        try:
+            self.proc.wait(timeout_s)
+        finally:
+            self.stop()
+        self.out.seek(0), self.err.seek(0)
+        return self.proc.returncode, self.out.read(), self.err.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_early: list = []
+
+
+def start_early() -> None:
+    """Start the fresh-interpreter check now, in the background (tests/conftest.py
+    does at session start): its preload of torch, SGLang and vLLM, ~8 s of one
+    core, then runs beside the collection, which imports them on the other."""
+    if not _early:
+        _early.append(_Run())
+
+
+def stop_early() -> None:
+    while _early:
+        _early.pop().stop()
+
+
 def test_every_module_imports_alone_in_a_fresh_interpreter():
-    preload = sorted({t for _, _, third in SCANS.values() for t in third})
-    proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(sorted(MODULES)),
-                           json.dumps(preload)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    errors = json.loads(proc.stdout.splitlines()[-1])
+    run = _early.pop() if _early else _Run()
+    code, out, err = run.result(300)
+    assert code == 0, err
+    errors = json.loads(out.splitlines()[-1])
     assert sorted(errors) == sorted(MODULES)
     failed = {}
     for name, err in errors.items():
