@@ -6,6 +6,9 @@ live `hicache_mp-worker` (and `hicache_mp-evictor`) processes, after a short gra
 Entries and workers that belong to another live process tree (another test
 session on the same machine) are not ours and are ignored; anything whose
 owner is this process, one of its descendants, or dead, is ours.
+
+One session hook: the fresh-interpreter import check (test_imports.py) is
+started when the session starts, so it runs beside the collection.
 """
 import compileall
 import json
