@@ -103,12 +103,14 @@ def test_a_scheduler_polling_without_waiting_finds_a_prefix_in_three_calls(store
         assert reader.metrics()["probes_sent"] == PAGES
 
 
-def test_an_answer_nobody_drained_is_not_taken_for_a_later_ask(store):
+def test_an_answer_nobody_drained_is_not_taken_for_a_later_ask(store, monkeypatch):
     """An idle server polls nobody's rings: a probe's "missing" answer can sit
     undrained past ANSWER_LOST_S, when a new ask of that key no longer waits
     for it. Drained first, it is not taken for the new ask's answer, so the
     pages written meanwhile are found."""
-    from workers.timing import ANSWER_LOST_S
+    from hicache_mp import discovery
+    # 0.5 s, not 2 s, to sit out: still above PROBE_TTL_S, as the engine's is
+    monkeypatch.setattr(discovery, "ANSWER_LOST_S", 0.5)
     keys = [f"idle-{i}" for i in range(8)]
     with engine(store, pages=8) as reader:
         assert reader.exists(keys) == 0            # its answer ("missing") is left undrained
@@ -116,5 +118,5 @@ def test_an_answer_nobody_drained_is_not_taken_for_a_later_ask(store):
             fill(writer, range(8), random_pages(writer.geometry, 8, seed=11))
             op = writer.backup(keys, range(8))
             assert writer.wait(op, 60) and op.status == "ok", op
-        time.sleep(ANSWER_LOST_S + 0.1)
+        time.sleep(discovery.ANSWER_LOST_S + 0.1)
         assert reader.exists(keys, wait_s=10.0) == 8
