@@ -16,7 +16,7 @@ from test_sglang import attach, fill_random  # noqa: F401 (attach is a fixture)
 
 @pytest.mark.parametrize("allocator", ["shm", "default"])  # zero-copy and staged
 def test_io_timeout_bounds_a_batch_with_a_stuck_worker(attach, allocator):  # noqa: F811
-    backend, pool = attach(layout="layer_first", allocator=allocator, io_timeout_s=1.0,
+    backend, pool = attach(layout="layer_first", allocator=allocator, io_timeout_s=0.5,
                            pages=16)
     keys = [f"t{i}" for i in range(8)]
     want = fill_random(pool, range(8), seed=5)
