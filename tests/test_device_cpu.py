@@ -26,6 +26,29 @@ def make_engine(store, layout, pages=64, mla=False):
     return PrefetchEngine(EngineConfig(storage_dir=store, num_workers=2, host_pool_pages=pages), g)
 
 
+@pytest.fixture(scope="module")
+def module_engines(tmp_path_factory):
+    """The module's engines on one store, one per (layout, role), shared by its
+    tests: each ends with its ops done and its loader closed, so the next
+    finds an engine as a fresh one but for pages under other tests' keys. A
+    layout's "reader" reads what a "writer" stored: another engine, through
+    the page files. (Started once: 4 engines, not 2 for each round trip.)"""
+    store = str(tmp_path_factory.mktemp("device"))
+    made = {(layout, role): make_engine(store, layout)
+            for layout in LAYOUTS for role in ("writer", "reader")}
+    yield made
+    for eng in made.values():
+        eng.close()
+
+
+@pytest.fixture
+def engines(module_engines):
+    """engines(layout, role="writer"): a module engine, found idle after the test."""
+    yield lambda layout, role="writer": module_engines[layout, role]
+    for (layout, role), eng in module_engines.items():
+        assert eng.metrics()["ops_in_flight"] == 0, f"the {layout} {role} was left busy"
+
+
 def random_pages(g, n, seed):
     gen = torch.Generator().manual_seed(seed)
     return torch.randn((n, *g.page_shape), generator=gen).to(torch.bfloat16)
@@ -63,39 +86,39 @@ def backup(eng, keys, slots, data):
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_partial_op_loads_only_leading_pages(store, layout, method):
+def test_partial_op_loads_only_leading_pages(engines, layout, method):
     rng = np.random.default_rng(hash((layout, method)) % 2**32)
     n, missing = 24, 17
     keys = [os.urandom(16).hex() for _ in range(n)]
-    with make_engine(store, layout) as eng:
-        data = random_pages(eng.geometry, n, seed=1)
-        present = [i for i in range(n) if i != missing]
-        backup(eng, [keys[i] for i in present], rng.permutation(64)[:n - 1], data[present])
-        eng.host_pool.tensor.view(torch.int16).fill_(POISON)
-        with DeviceLoader(eng.host_pool, device="cpu", num_device_pages=40, engine=eng,
-                          method=method, staging_pages=5) as loader:
-            poison(loader)
-            slots = rng.permutation(64)[:n]
-            dev = rng.permutation(40)[:n]
-            op = eng.prefetch(keys, slots)
-            h = loader.load(op, dev)
-            assert h.wait(30)
-            assert op.status == "partial" and op.completed_pages == missing
-            assert h.pages_loaded == missing and h.done and h.status == "partial"
-            assert op.device_event is h
-            assert_device_holds(loader, {int(dev[i]): data[i] for i in range(missing)})
+    eng = engines(layout)
+    data = random_pages(eng.geometry, n, seed=1)
+    present = [i for i in range(n) if i != missing]
+    backup(eng, [keys[i] for i in present], rng.permutation(64)[:n - 1], data[present])
+    eng.host_pool.tensor.view(torch.int16).fill_(POISON)
+    with DeviceLoader(eng.host_pool, device="cpu", num_device_pages=40, engine=eng,
+                      method=method, staging_pages=5) as loader:
+        poison(loader)
+        slots = rng.permutation(64)[:n]
+        dev = rng.permutation(40)[:n]
+        op = eng.prefetch(keys, slots)
+        h = loader.load(op, dev)
+        assert h.wait(30)
+        assert op.status == "partial" and op.completed_pages == missing
+        assert h.pages_loaded == missing and h.done and h.status == "partial"
+        assert op.device_event is h
+        assert_device_holds(loader, {int(dev[i]): data[i] for i in range(missing)})
 
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("read_layout", LAYOUTS)
 @pytest.mark.parametrize("write_layout", LAYOUTS)
-def test_round_trip_device_host_file_host_device(store, write_layout, read_layout, method):
+def test_round_trip_device_host_file_host_device(engines, write_layout, read_layout, method):
     rng = np.random.default_rng(7)
     n = 20
-    keys = [f"rt-{i}" for i in range(n)]
-    with make_engine(store, write_layout) as eng, \
-            DeviceLoader(eng.host_pool, device="cpu", num_device_pages=32, engine=eng,
-                         method=method, staging_pages=6) as loader:
+    keys = [f"rt-{write_layout}-{read_layout}-{method}-{i}" for i in range(n)]
+    eng = engines(write_layout)
+    with DeviceLoader(eng.host_pool, device="cpu", num_device_pages=32, engine=eng,
+                      method=method, staging_pages=6) as loader:
         data = random_pages(eng.geometry, n, seed=2)
         src_dev = rng.permutation(32)[:n]
         poison(loader)
@@ -109,9 +132,9 @@ def test_round_trip_device_host_file_host_device(store, write_layout, read_layou
         assert sh.wait(30) and sh.status == "ok" and sh.backup_op.status == "ok"
         for slot, page in zip(slots, data):  # device -> host landed exactly
             assert torch.equal(eng.host_pool.page_view(int(slot)).view(torch.int16), page.view(torch.int16))
-    with make_engine(store, read_layout) as eng, \
-            DeviceLoader(eng.host_pool, device="cpu", num_device_pages=48, engine=eng,
-                         method=method, staging_pages=6) as loader:
+    eng = engines(read_layout, "reader")
+    with DeviceLoader(eng.host_pool, device="cpu", num_device_pages=48, engine=eng,
+                      method=method, staging_pages=6) as loader:
         eng.host_pool.tensor.view(torch.int16).fill_(POISON)
         poison(loader)
         slots = rng.permutation(64)[:n]  # new host slots, new device pages
@@ -122,10 +145,10 @@ def test_round_trip_device_host_file_host_device(store, write_layout, read_layou
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_incremental_issue_follows_completed_pages(store, layout):
+def test_incremental_issue_follows_completed_pages(engines, layout):
     """step() issues exactly the pages that newly landed, honouring min_step_pages."""
-    with make_engine(store, layout) as eng, \
-            DeviceLoader(eng.host_pool, device="cpu", num_device_pages=16, timing=True) as loader:
+    eng = engines(layout)
+    with DeviceLoader(eng.host_pool, device="cpu", num_device_pages=16, timing=True) as loader:
         data = random_pages(eng.geometry, 10, seed=3)
         slots = np.array([9, 3, 4, 5, 0, 1, 2, 7, 8, 6])
         for slot, page in zip(slots, data):
@@ -174,12 +197,12 @@ def test_adopted_sglang_buffers_and_mla(store, layout):
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_copy_path_with_tiny_staging(store, layout, method):
+def test_every_copy_path_with_tiny_staging(engines, layout, method):
     """Small and large batches (one-shot vs per-layer gathers), staging of 2 pages (many chunks)."""
     rng = np.random.default_rng(5)
-    with make_engine(store, layout) as eng, \
-            DeviceLoader(eng.host_pool, device="cpu", num_device_pages=64, method=method,
-                         staging_pages=2) as loader:
+    eng = engines(layout)
+    with DeviceLoader(eng.host_pool, device="cpu", num_device_pages=64, method=method,
+                      staging_pages=2) as loader:
         data = random_pages(eng.geometry, 40, seed=6)
         slots = rng.permutation(64)[:40]
         for slot, page in zip(slots, data):
@@ -199,9 +222,9 @@ def test_every_copy_path_with_tiny_staging(store, layout, method):
             assert torch.equal(eng.host_pool.page_view(int(slot)).view(torch.int16), page.view(torch.int16))
 
 
-def test_bad_input_raises(store):
-    with make_engine(store, "page_first") as eng, \
-            DeviceLoader(eng.host_pool, device="cpu", num_device_pages=4) as loader:
+def test_bad_input_raises(engines):
+    eng = engines("page_first")
+    with DeviceLoader(eng.host_pool, device="cpu", num_device_pages=4) as loader:
         with pytest.raises(ValueError, match="out of range"):
             loader.load_pages([0], [4])
         with pytest.raises(ValueError, match="repeat"):
