@@ -307,9 +307,14 @@ def test_scheduler_calls_keep_the_gil(store):
         ids = list(range(n // per))
         _, found = released_in(submit, False)
         assert not found, f"submit_store let the GIL go: {found}"
-        time.sleep(0.5)
+        _, found = released_in(tier.on_schedule_end, STEP)   # the step's end: its op starts
+        assert not found, f"on_schedule_end (the step's stores) let the GIL go: {found}"
         # The engine's drain is tests/test_gil_hold.py's to check: drained first,
         # what is measured is what the tier adds (results for 16 finished jobs).
+        deadline = time.monotonic() + 30
+        while sum(tier.engine.metrics()["worker_pages"]) < n:  # every row written
+            assert time.monotonic() < deadline, tier.engine.metrics()["worker_pages"]
+            time.sleep(0.005)
         tier.engine.poll()
         got, found = released_in(tier.get_finished_jobs)
         assert not found, f"get_finished_jobs let the GIL go: {found}"
