@@ -13,8 +13,11 @@ SMALL = ["--quick", "--total-gib", str(1 / 64)]
 
 def test_bench_storage_quick(tmp_path):
     out = tmp_path / "bs.json"
+    # Raw ceilings at 2 threads and processes only (--quick adds 4), one mixed
+    # pair (the mixed-only test below runs two): the same paths, fewer passes.
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_storage.py"),
-                           *SMALL, "--dir", str(tmp_path), "--json", str(out)],
+                           *SMALL, "--raw-threads", "2", "--mixed-repeats", "1",
+                           "--dir", str(tmp_path), "--json", str(out)],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
