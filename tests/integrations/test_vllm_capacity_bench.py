@@ -16,7 +16,7 @@ def test_capacity_bench_stays_under_the_limit_and_keeps_new_pages(tmp_path):
     # and a child of its own spent ~5 s of the test importing it again
     import bench_vllm_capacity
     out = tmp_path / "capacity.json"
-    assert bench_vllm_capacity.main(["--quick", "--gap-s", "0.5", "--eviction-interval-s", "0.1",
+    assert bench_vllm_capacity.main(["--quick", "--gap-s", "0.25", "--eviction-interval-s", "0.1",
                                      "--store", str(tmp_path / "store"), "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     page = res["args"]["row_bytes"] + 4096
