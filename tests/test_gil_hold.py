@@ -69,7 +69,10 @@ def test_submit_drain_and_ask_keep_the_gil(eng):
     assert not found, f"prefetch submission let the GIL go: {found}"
     if len(reads) < 2:
         fn()
-    time.sleep(0.3)  # the workers finish; the next poll drains both batches
+    deadline = time.monotonic() + 30  # the workers finish, nothing drained: the next poll
+    while sum(eng.metrics()["worker_pages"]) < 4 * N:  # drains both batches
+        assert time.monotonic() < deadline, eng.metrics()["worker_pages"]
+        time.sleep(0.002)
 
     _, found = released_in(eng.poll)
     assert not found, f"draining a batch let the GIL go: {found}"
