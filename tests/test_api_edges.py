@@ -1,17 +1,18 @@
 """API edges (issue 11, item 9): close() from another thread, timeouts, the
 default policy the README's loop relies on, a store path that cannot be made."""
+import contextlib
 import math
 import os
 import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
 from hicache_mp import EngineClosed, EngineConfig
 
+from faultkit import resume_when_told_to_stop, settle
 from helpers import engine, fill, geometry, random_pages
 
 
@@ -22,6 +23,7 @@ def test_close_from_another_thread_while_waiting_gives_engine_closed(store):
     e.wait(e.backup(["a"], [0]), 30)
     worker = e.worker_pids()[0]
     os.kill(worker, signal.SIGSTOP)  # the op cannot finish: the waiter stays asleep
+    resume_when_told_to_stop(e, e._pool.workers[0])  # close() lets it go, not a timer
     try:
         op = e.prefetch(["a"], [1])
         got = []
@@ -35,13 +37,13 @@ def test_close_from_another_thread_while_waiting_gives_engine_closed(store):
         threads = [threading.Thread(target=waiter) for _ in range(3)]
         for t in threads:
             t.start()
-        time.sleep(0.3)
+        assert settle(lambda: len(e._sleepers) == 3, 10, 0.002), "the waiters never slept"
         closer = threading.Thread(target=e.close)
         closer.start()
-        time.sleep(0.3)
+        closer.join(30)
     finally:
-        os.kill(worker, signal.SIGCONT)
-    closer.join(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGCONT)
     for t in threads:
         t.join(30)
     assert len(got) == 3 and all(isinstance(x, EngineClosed) for x in got), got
