@@ -6,23 +6,14 @@ miss or a damaged file, written pages findable, and landed order kept.
 """
 import os
 import sys
-import time
 
 import numpy as np
 import pytest
 
 import hicache_mp.engine as engine_mod
 
-from faultkit import MID, content, fingerprint, get, make, page_file, put  # noqa: E402
-
-
-def _workers_did(e, pages: int, timeout_s: float = 30.0) -> None:
-    """Wait, without polling (nothing drained), until the workers have done
-    `pages` pages in all: each counts a page before pushing its completion."""
-    deadline = time.monotonic() + timeout_s
-    while sum(e.metrics()["worker_pages"]) < pages:
-        assert time.monotonic() < deadline, e.metrics()["worker_pages"]
-        time.sleep(0.002)
+from faultkit import MID, content, fingerprint, get, make, page_file, put, \
+    workers_counted  # noqa: E402
 
 
 def _run(store, monkeypatch, batch_min):
@@ -34,7 +25,7 @@ def _run(store, monkeypatch, batch_min):
             put(e, i, content(k, pb))
         # Let each op finish before polling, so a drain holds many completions.
         wop = e.backup(keys, range(64))
-        _workers_did(e, 64)
+        workers_counted(e, 64)
         assert e.wait(wop, 30) and wop.status == "ok"
         assert e.exists(keys) == 64  # written pages are indexed
         os.unlink(page_file(e, keys[10]))           # a miss in the middle
@@ -44,7 +35,7 @@ def _run(store, monkeypatch, batch_min):
             f.seek(4096 + 7)
             f.write(bytes([b[0] ^ 0xFF]))
         rop = e.prefetch(keys, range(64, 128))
-        _workers_did(e, 128)
+        workers_counted(e, 128)
         assert e.wait(rop, 30)
         got = [fingerprint(get(e, 64 + i)) if s == 1 else None
                for i, s in enumerate(rop.page_status.tolist())]
@@ -89,7 +80,7 @@ def test_a_backup_budget_is_given_back_on_either_path(store, monkeypatch, batch_
         for i in range(32):
             put(e, i, content(f"b{i}", pb))
         op = e.backup([f"b{i}" for i in range(32)], range(32))
-        _workers_did(e, 32)
+        workers_counted(e, 32)
         assert e.wait(op, 30) and op.status == "ok"
         assert e.metrics()["backup_pages_held"] == 0
         again = e.backup([f"c{i}" for i in range(32)], range(32))  # room again: not dropped

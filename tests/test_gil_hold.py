@@ -11,6 +11,7 @@ import time
 import pytest
 
 import helpers
+from faultkit import workers_counted
 from giltrace import released_in
 
 N = 128          # SGLang's STORAGE_BATCH_SIZE
@@ -69,10 +70,7 @@ def test_submit_drain_and_ask_keep_the_gil(eng):
     assert not found, f"prefetch submission let the GIL go: {found}"
     if len(reads) < 2:
         fn()
-    deadline = time.monotonic() + 30  # the workers finish, nothing drained: the next poll
-    while sum(eng.metrics()["worker_pages"]) < 4 * N:  # drains both batches
-        assert time.monotonic() < deadline, eng.metrics()["worker_pages"]
-        time.sleep(0.002)
+    workers_counted(eng, 4 * N)  # the workers finish, nothing drained: the next poll drains both
 
     _, found = released_in(eng.poll)
     assert not found, f"draining a batch let the GIL go: {found}"

@@ -127,6 +127,15 @@ def settle(check, timeout_s: float = 5.0, step: float = 0.05):
         time.sleep(step)
 
 
+def workers_counted(eng, pages: int, timeout_s: float = 30.0) -> None:
+    """Wait, without polling (nothing drained), until eng's workers have done
+    `pages` pages in all: each counts a page before pushing its completion."""
+    deadline = time.monotonic() + timeout_s
+    while sum(eng.metrics()["worker_pages"]) < pages:
+        assert time.monotonic() < deadline, eng.metrics()["worker_pages"]
+        time.sleep(0.002)
+
+
 def evictor_passes(eng) -> int:
     """Passes eng's evictor has ended (each counted after its removals are on the evict ring)."""
     return int(eng._control.words[EVICT_PASSES])

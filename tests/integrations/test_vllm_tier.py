@@ -291,6 +291,7 @@ def test_scheduler_calls_keep_the_gil(store):
     a switch interval: submitting, polling and 2,000 lookups must not let it go.
     Jobs of 125 rows (one request's chunks each; the engine's bulk drain of a
     single op of thousands of pages is the engine's own test)."""
+    from faultkit import workers_counted
     from giltrace import released_in
     n, per = 2000, 125
     with tiering([ours(store)], row_bytes=4096, rows=2 * n) as (_, manager):
@@ -311,10 +312,7 @@ def test_scheduler_calls_keep_the_gil(store):
         assert not found, f"on_schedule_end (the step's stores) let the GIL go: {found}"
         # The engine's drain is tests/test_gil_hold.py's to check: drained first,
         # what is measured is what the tier adds (results for 16 finished jobs).
-        deadline = time.monotonic() + 30
-        while sum(tier.engine.metrics()["worker_pages"]) < n:  # every row written
-            assert time.monotonic() < deadline, tier.engine.metrics()["worker_pages"]
-            time.sleep(0.005)
+        workers_counted(tier.engine, n)  # every row written
         tier.engine.poll()
         got, found = released_in(tier.get_finished_jobs)
         assert not found, f"get_finished_jobs let the GIL go: {found}"
