@@ -142,7 +142,7 @@ def test_client_killed_and_restarted_by_its_supervisor(volume):
     # caught in one is stuck, and the watchdog ends it within stall_timeout_s.
     if len(jfs.client_pids(volume.meta, volume.mounts[0])) < 2:
         pytest.skip("this JuiceFS runs its client without a supervisor")
-    with make(_store(volume), geo=MID, pages=2 * PER_OP, workers=2, stall_timeout_s=1.5) as e:
+    with make(_store(volume), geo=MID, pages=2 * PER_OP, workers=2, stall_timeout_s=3.0) as e:
         load = Load(e)
         killed = []
         _kill_during(load, lambda: killed.extend(volume.kill(0, supervisor=False)))
