@@ -9,6 +9,8 @@ while the call's thread has given the GIL up, and the C call during which it
 moved is named. Under a busy scheduler each such release costs the storage
 thread up to a switch interval (5 ms) to win the GIL back.
 """
+import time
+
 import torch
 
 import sglang_real_hybrid as real  # noqa: E402
@@ -100,9 +102,13 @@ def _rounds(make, tmp_path):  # noqa: F811
         assert all(all(v) for v in out.values()), out
         assert others(found) == [], found
         assert len(sleeps(found)) <= 1, found
-        # the reader's index learns the pages from the store once; then the
-        # hit query over the whole key list asks nobody
-        rb.batch_exists_v2(keys, [mamba_q, swa_q, idx_q])
+        # the reader's index learns the pages from the store once (the
+        # sidecars' answers come in without a wait: on a loaded box the first
+        # query may miss); then the hit query over the whole key list asks nobody
+        deadline = time.monotonic() + 10
+        while rb.batch_exists_v2(keys, [mamba_q, swa_q, idx_q]).kv_hit_pages != PAGES:
+            assert time.monotonic() < deadline, "the reader never learnt the writer's pages"
+            time.sleep(0.01)
         hit, found = released_in(rb.batch_exists_v2, keys, [mamba_q, swa_q, idx_q],
                                  switch_s=SWITCH_S)
         assert hit.kv_hit_pages == PAGES and hit.restorable_prefix_pages[-1] == PAGES, hit
