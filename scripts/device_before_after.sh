@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Issue 25's check that the redesign changed no figure: bench_prefetch and the
 # SGLang stack harness, each at a "before" tree and at this one, interleaved
-# in one call on the GPU box (before, after, before, after), each tree with
-# its own scripts. The before tree travels as a tar (made here with
+# in one call on the GPU box (before, after, before, after). Both trees run
+# this tree's scripts (copied over the before tree's), so only the engine
+# differs: the stack harness changed since (2 requests per round, the tracer). The before tree travels as a tar (made here with
 # `git archive REV > .before/before.tar`; .before/ is ignored, carry it with
 # .whl). Usage: scripts/device_before_after.sh OUTDIR prefetch|stack [RUNS]
+# Each run leaves a log and a JSON in OUTDIR: keep OUTDIR off $OUT and tar it
+# there (a device call brings back at most 8 files). A prefetch run takes
+# about 2 minutes, a stack run about 1.5: RUNS=2 of both is over one call.
 set -u
 out=${1:?usage: scripts/device_before_after.sh OUTDIR prefetch|stack [RUNS]}
 what=${2:?prefetch or stack}
@@ -14,6 +18,7 @@ cd "$(dirname "$0")/.."
 after=$PWD
 before=/tmp/hicache_mp_before
 rm -rf "$before" && mkdir -p "$before" && tar -xf .before/before.tar -C "$before" || exit 3
+cp -r scripts/. "$before/scripts/" || exit 3
 if [ "$what" = stack ]; then . scripts/device_deps.sh; else
   python3 -m pip install -q --no-deps --no-index --target /tmp/pi .whl/posix_ipc*.whl || exit 3
   deps=/tmp/pi; export PYTHONUNBUFFERED=1; fi
