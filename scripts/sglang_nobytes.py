@@ -8,7 +8,14 @@ used where bytes matter.
 The v2 calls (hybrid models: Mamba, SWA, DSA indexer) answer the same way:
 every page of every pool present and moved, in pure Python on lists the
 caller gave (no torch or numpy call, so no GIL hand-off of its own).
+
+`Sleeping` moves no bytes either, but each batch_get_v1 lets the GIL go
+once, in one sleep of `sleep_s` (the harness sets it to what a real
+backend's batch took idle): the floor of any backend that must wait once
+per batch for its I/O, SGLang's hand-offs and that one wait, nothing else.
 """
+import time
+
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolName, PoolTransferResult
 
 
@@ -59,3 +66,11 @@ class NoBytes(HiCacheStorage):
 
     def exists(self, key) -> bool:
         return True
+
+
+class Sleeping(NoBytes):
+    sleep_s = 0.0
+
+    def batch_get_v1(self, keys, host_indices, extra_info=None):
+        time.sleep(self.sleep_s)
+        return [True] * len(keys)

@@ -209,8 +209,9 @@ def mp_extra(storage_dir: str, **keys) -> dict:
             "storage_dir": storage_dir, **keys}
 
 
-def nobytes_extra() -> dict:
-    return {"backend_name": "nobytes", "module_path": "sglang_nobytes", "class_name": "NoBytes",
+def nobytes_extra(class_name: str = "NoBytes", name: str = "nobytes") -> dict:
+    """sglang_nobytes's NoBytes (or Sleeping, as `name` "sleeping")."""
+    return {"backend_name": name, "module_path": "sglang_nobytes", "class_name": class_name,
             "interface_v1": 1}
 
 

@@ -10,7 +10,10 @@ drain `prefetch_hit_queue`, allocate host slots, `prefetch_buffer.put`, drain
 `ack_prefetch_queue`; backups via `write_storage` and `ack_backup_queue`.
 
 Backends: `mp` (hicache_mp via the dynamic config), `file` (SGLang's
-HiCacheFile), `nobytes` (moves nothing: SGLang's own hand-off floor).
+HiCacheFile), `nobytes` (moves nothing: SGLang's own hand-off floor). With
+`--sleep-floor`, a second floor beside mp's rounds: `Sleeping` moves nothing
+but sleeps once per batch_get_v1 (GIL released) for as long as mp's batch
+took idle in that run, the floor of any backend that waits once per batch.
 Scheduler: `idle` blocks on the queues; `busy` runs pure Python (holds the
 GIL, like a scheduler building batches) and polls the queues between chunks.
 
@@ -179,8 +182,10 @@ class Stack:
             kind, extra = "file", {"file_storage_path": store}
         elif backend == "nobytes":
             kind, extra = "dynamic", R.nobytes_extra()
+        elif backend == "sleeping":
+            kind, extra = "dynamic", R.nobytes_extra("Sleeping", "sleeping")
         else:
-            raise ValueError(f"unknown backend {backend!r} (mp, file, nobytes)")
+            raise ValueError(f"unknown backend {backend!r} (mp, file, nobytes, sleeping)")
         self.ctl = R.controller(sgl, self.hp, backend=kind, extra=extra, tp_rank=tp_rank,
                                 tp_size=tp_size)
         self.calls = _count_calls(self.ctl)
@@ -206,7 +211,7 @@ class Stack:
 
     def check(self, idx, done_tokens, first_page=0) -> None:
         """Compare the pages read into `idx` with src pages from `first_page` on."""
-        if self.name == "nobytes" or idx is None:
+        if self.name in ("nobytes", "sleeping") or idx is None:
             return
         import torch
         for i in range(done_tokens // self.P):
@@ -263,6 +268,12 @@ def _wakeups(s: Stack):
             m.get("wait_woken_ahead", 0), m.get("wait_spins", 0))
 
 
+def _sleeping(s: Stack):
+    """The Sleeping backend behind the controller (under SGLang's injector too)."""
+    be = s.ctl.storage_backend
+    return getattr(be, "_backend", be)
+
+
 def _pages_done(s: Stack):
     """Pages hicache_mp's workers finished so far (reads and writes); None for others."""
     be = s.ctl.storage_backend
@@ -294,10 +305,13 @@ def median(xs):
 TRACE = NullTracer()  # GilTracer() once main() installs it (--trace)
 
 
-def run_backend(sgl, backend, args, root, floor: "Stack | None" = None) -> dict:
-    """One backend's rounds. `floor`: a no-bytes stack whose busy round runs
-    right after each of this backend's, so the floor is measured in the same
-    minutes (the box's speed drifts between runs of a few seconds)."""
+def run_backend(sgl, backend, args, root, floor: "Stack | None" = None,
+                sleeper: "Stack | None" = None) -> dict:
+    """One backend's rounds. `floor`: a no-bytes stack whose round of the same
+    mode runs right after each of this backend's, so the floor is measured in
+    the same minutes (the box's speed drifts between runs of a few seconds).
+    `sleeper`: the sleeping floor, likewise, after the no-bytes one; each run
+    its sleep is this backend's idle batch time of that run."""
     store = os.path.join(root, backend)
     os.makedirs(store, exist_ok=True)
     s = Stack(sgl, backend, args, store)
@@ -308,6 +322,9 @@ def run_backend(sgl, backend, args, root, floor: "Stack | None" = None) -> dict:
         out["write_s"], out["write_gbps"] = t, gb / t
         out["write_ok"] = done == len(s.tokens)
         s.read(Scheduler(False))  # warm: first round pays the index/page cache
+        for st in (floor, sleeper):   # and the floors' first rounds their first calls
+            if st is not None:
+                st.read(Scheduler(False))
         w0, c0 = _wakeups(s), s.calls["batch_get_v1"]
         modes = {"idle": [], "busy": []}
         rates, handoffs = [], []
@@ -319,11 +336,13 @@ def run_backend(sgl, backend, args, root, floor: "Stack | None" = None) -> dict:
                 old = sys.getswitchinterval()
                 if mode == "busy_switch":
                     sys.setswitchinterval(args.switch_interval_ms / 1000)
+                gets0 = s.calls["batch_get_v1"]
                 try:
                     with TRACE.round(f"{backend}:{mode}"):
                         t, done = s.read(sched)
                 finally:
                     sys.setswitchinterval(old)
+                gets = s.calls["batch_get_v1"] - gets0
                 if done != len(s.tokens):
                     out.setdefault("short_reads", 0)
                     out["short_reads"] = out["short_reads"] + 1
@@ -335,6 +354,18 @@ def run_backend(sgl, backend, args, root, floor: "Stack | None" = None) -> dict:
                         out.setdefault(f"floor_{mode}_s", []).append(floor.read(fs)[0])
                     if mode == "busy":
                         out.setdefault("floor_loop_rate", []).append(fs.rate())
+                if sleeper is not None and mode in ("idle", "busy"):
+                    if mode == "idle":  # mp's idle batch, less SGLang's idle hand-offs
+                        # (at most half of it: on a tiny round the two are alike)
+                        f_idle = out["floor_idle_s"][-1] if floor is not None else 0.0
+                        _sleeping(sleeper).sleep_s = max(t / 2, t - f_idle) / max(gets, 1)
+                        out.setdefault("sleep_floor_sleep_s", []).append(
+                            _sleeping(sleeper).sleep_s)
+                    ss = Scheduler(mode == "busy")
+                    with TRACE.round(f"sleep-floor:{mode}"):
+                        out.setdefault(f"sleep_floor_{mode}_s", []).append(sleeper.read(ss)[0])
+                    if mode == "busy":
+                        out.setdefault("sleep_floor_loop_rate", []).append(ss.rate())
                 if mode == "busy":
                     rates.append(sched.rate())
                     handoffs.append((sched.handoffs, sched.handoff_s))
@@ -352,6 +383,9 @@ def run_backend(sgl, backend, args, root, floor: "Stack | None" = None) -> dict:
                     if floor is not None:
                         with TRACE.round(f"nobytes-floor:{mode}"):
                             floor.read(Scheduler(mode == "busy"))
+                    if sleeper is not None:
+                        with TRACE.round(f"sleep-floor:{mode}"):
+                            sleeper.read(Scheduler(mode == "busy"))
             TRACE.disarm()
         for mode, ts in modes.items():
             out[f"{mode}_s"] = ts
@@ -473,6 +507,22 @@ def summary(res: dict) -> dict:
         out["mp_own_ms_per_batch_get_runs"] = own
         out["batch_get_per_round"] = gets
         out["loop_rate_mp_over_floor"] = mp["loop_rate_busy"] / median(mp["floor_loop_rate"])
+    if "mp" in b and b["mp"].get("sleep_floor_busy_s"):
+        # The sleeping floor: SGLang's hand-offs plus one ideal wait per batch
+        # (as long as mp's idle batch): what any backend that waits pays.
+        mp = b["mp"]
+        s_idle, s_busy = median(mp["sleep_floor_idle_s"]), median(mp["sleep_floor_busy_s"])
+        gets = mp.get("batch_get_per_round") or 1
+        out["sleep_floor_busy_over_idle"] = s_idle / s_busy
+        out["sleep_floor_idle_ms"], out["sleep_floor_busy_ms"] = s_idle * 1e3, s_busy * 1e3
+        out["sleep_floor_ms_over_idle_per_round"] = (s_busy - s_idle) * 1e3
+        out["sleep_floor_sleep_ms"] = median(mp["sleep_floor_sleep_s"]) * 1e3
+        own = [((bu - i) - (sb - si)) * 1e3 / gets for i, bu, si, sb in
+               zip(mp["idle_s"], mp["busy_s"], mp["sleep_floor_idle_s"], mp["sleep_floor_busy_s"])]
+        out["mp_own_ms_per_batch_get_beyond_sleep_floor"] = median(own)
+        out["mp_own_ms_per_batch_get_beyond_sleep_floor_runs"] = own
+        out["loop_rate_mp_over_sleep_floor"] = mp["loop_rate_busy"] / median(
+            mp["sleep_floor_loop_rate"])
     if "mp" in b and "busy_switch_median_s" in b["mp"]:
         mp = b["mp"]
         out["mp_switch_over_idle"] = mp["idle_median_s"] / mp["busy_switch_median_s"]
@@ -510,6 +560,10 @@ def parse(argv=None):
                          "write_share=0.05")
     ap.add_argument("--switch-interval-ms", type=float, default=0.0,
                     help="also run busy rounds with sys.setswitchinterval at this value")
+    ap.add_argument("--sleep-floor", action="store_true",
+                    help="also run the sleeping floor beside mp's rounds: no bytes, one sleep "
+                         "per batch_get_v1 as long as mp's idle batch (SGLang's hand-offs plus "
+                         "one ideal wait)")
     ap.add_argument("--no-mixed", dest="mixed", action="store_false",
                     help="skip the read-while-a-backup-is-in-flight round")
     ap.add_argument("--inject-rounds", type=int, default=3, help="0: skip the failure injector")
@@ -550,18 +604,23 @@ def main(argv=None) -> dict:
            "torchvision_placeholder": R.TORCHVISION_PLACEHOLDER}
     backends = [b.strip() for b in args.backends.split(",")]
     with tempfile.TemporaryDirectory(dir=args.store, prefix="hicache_mp-stack-") as root:
-        floor = None
+        floor = sleeper = None
         if "nobytes" in backends and "mp" in backends:
             os.makedirs(os.path.join(root, "floor"), exist_ok=True)
             floor = Stack(sgl, "nobytes", args, os.path.join(root, "floor"))
+        if args.sleep_floor and "mp" in backends:
+            os.makedirs(os.path.join(root, "sleeping"), exist_ok=True)
+            sleeper = Stack(sgl, "sleeping", args, os.path.join(root, "sleeping"))
         try:
             for backend in backends:
-                r = run_backend(sgl, backend, args, root, floor if backend == "mp" else None)
+                r = run_backend(sgl, backend, args, root, floor if backend == "mp" else None,
+                                sleeper if backend == "mp" else None)
                 res["backends"].append(r)
                 print(json.dumps({k: v for k, v in r.items() if not k.endswith("_s")}), flush=True)
         finally:
-            if floor is not None:
-                floor.close()
+            for st in (floor, sleeper):
+                if st is not None:
+                    st.close()
         if args.inject_rounds:
             res["injector"] = injector_run(sgl, args, root)
             print(json.dumps({"injector": res["injector"]}), flush=True)

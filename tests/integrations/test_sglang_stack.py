@@ -24,7 +24,8 @@ SMALL = ["--round-mib", "2", "--page-mib", "0.125", "--layers", "2", "--heads", 
 
 def test_real_stack_moves_exact_bytes(tmp_path):
     res = sglang_stack.main([*SMALL, "--runs", "1", "--inject-rounds", "0", "--trace-runs", "1",
-                             "--store", str(tmp_path), "--json", str(tmp_path / "r.json")])
+                             "--sleep-floor", "--store", str(tmp_path),
+                             "--json", str(tmp_path / "r.json")])
     b = {r["backend"]: r for r in res["backends"]}
     assert set(b) == {"nobytes", "mp", "file"}
     for name in ("mp", "file"):
@@ -46,6 +47,12 @@ def test_real_stack_moves_exact_bytes(tmp_path):
     assert trace["mp:busy"]["by_call"]["batch_get_v1"]["calls"] >= 1
     assert trace["nobytes-floor:busy"]["by_call"]["batch_get_v1"]["calls"] >= 1
     assert res["summary"]["mp_own_ms_per_batch_get"] is not None
+    # the sleeping floor ran beside mp's rounds, sleeping per batch what mp's
+    # idle batch took in that run, and its own figures are given beside mp's
+    assert trace["sleep-floor:busy"]["by_call"]["batch_get_v1"]["calls"] >= 1
+    assert b["mp"]["sleep_floor_sleep_s"][0] > 0
+    assert res["summary"]["sleep_floor_busy_over_idle"] > 0
+    assert res["summary"]["mp_own_ms_per_batch_get_beyond_sleep_floor"] is not None
     assert (tmp_path / "r.json").stat().st_size > 0
     assert not list(tmp_path.glob("hicache_mp-stack-*")), "the stores are removed"
 
