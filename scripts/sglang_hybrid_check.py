@@ -19,7 +19,10 @@ prefetches of `--round-pages` KV pages each, all submitted before any
 wait, then the hit drain's host staging and the acks. Idle, the scheduler
 blocks on SGLang's queues; busy, it runs pure Python that lets no GIL go
 and polls the queues with get_nowait between chunks (scripts/sglang_stack.py's
-`Scheduler`). The no-bytes run of the same mode follows each mp run.
+`Scheduler`). The no-bytes run of the same mode follows each mp run; with
+`--sleep-floor`, then the sleeping floor's (sglang_nobytes.Sleeping: no
+bytes, one sleep per batch_get, GIL released, as long as mp's idle batch
+took in that run: SGLang's hand-offs plus the one wait any backend makes).
 Backups go through the controller too (`write_storage` with the pool
 transfers the components build).
 
@@ -101,16 +104,16 @@ def run_geometry(S, geom: str, args, root: str) -> dict:
     top = max(args.round_pages)
     ranks = {}
     try:
-        for kind in ("mp", "nobytes"):
+        for kind in ("mp", "nobytes") + (("sleeping",) if args.sleep_floor else ()):
             store = os.path.join(root, f"{geom}-{kind}")
             os.makedirs(store, exist_ok=True)
             ranks[kind] = HR.Rank(S, g, kind, store, requests=args.requests, max_pages=top,
                                   workers=args.workers)
-        mp, nb = ranks["mp"], ranks["nobytes"]
+        mp, nb, sl = ranks["mp"], ranks["nobytes"], ranks.get("sleeping")
         out = {"model": g["model"], "page_bytes": mp.page_bytes(),
                "sglang": controller_facts(mp), "sizes": {}}
         for pages in args.round_pages:
-            out["sizes"][str(pages)] = run_size(mp, nb, geom, pages, args)
+            out["sizes"][str(pages)] = run_size(mp, nb, geom, pages, args, sl)
         out["metrics"] = {k: v for k, v in mp.backend.metrics().items()
                           if k.startswith("sidecar")}
         return out
@@ -119,25 +122,44 @@ def run_geometry(S, geom: str, args, root: str) -> dict:
             r.close()
 
 
-def run_size(mp, nb, geom, pages, args) -> dict:
+def _gets(rank) -> int:
+    return sum(rank.calls.get(c, 0) for c in GETS)
+
+
+def run_size(mp, nb, geom, pages, args, sl=None) -> dict:
+    """`sl`: the sleeping floor (--sleep-floor): its run follows the no-bytes
+    one, each of its batch_gets sleeping once for mp's idle batch of that run."""
     to = args.timeout_s
-    for r in (mp, nb):
+    everyone = (mp, nb) + ((sl,) if sl is not None else ())
+    for r in everyone:
         t0 = time.perf_counter()
         if not r.backup(pages, Scheduler(False), to):
             raise AssertionError(f"{geom} {r.kind}: a backup of {pages} pages failed")
         if r is mp:
             write_s = time.perf_counter() - t0
-    for r in (mp, nb):   # warm: the first round pays the index and page cache
+    for r in everyone:   # warm: the first round pays the index and page cache
         one_run(r, pages, False, f"{geom}-{pages}:{r.kind}:warm", to)
         r.calls.clear()
         r.empty_v2.clear()
-    t = {f"{k}_{m}": [] for k in ("mp", "nobytes") for m in ("idle", "busy")}
-    rates, gaps = {"mp": [], "nobytes": []}, {"mp": [], "nobytes": []}
+    kinds = [r.kind for r in everyone]
+    t = {f"{k}_{m}": [] for k in kinds for m in ("idle", "busy")}
+    rates, gaps = {k: [] for k in kinds}, {k: [] for k in kinds}
+    sleeps = []
     for _ in range(args.runs):
         for mode in ("idle", "busy"):
-            for r in (mp, nb):   # the floor's run right after mp's, same mode
+            for r in everyone:   # the floors' runs right after mp's, same mode
+                g0 = _gets(r)
                 dt, sched = one_run(r, pages, mode == "busy", f"{geom}-{pages}:{r.kind}:{mode}", to)
                 t[f"{r.kind}_{mode}"].append(dt)
+                if r is nb and sl is not None and mode == "idle":
+                    # mp's idle batch, less SGLang's idle hand-offs (at most half)
+                    mi = t["mp_idle"][-1]
+                    be = sl.backend
+                    be = getattr(be, "_backend", be)
+                    be.sleep_s = max(mi / 2, mi - dt) / max(mp_gets, 1)
+                    sleeps.append(be.sleep_s)
+                if r is mp:
+                    mp_gets = _gets(mp) - g0
                 if mode == "busy":
                     rates[r.kind].append(sched.rate())
                     gaps[r.kind].append((sched.handoffs / r.requests,
@@ -145,6 +167,8 @@ def run_size(mp, nb, geom, pages, args) -> dict:
     per = 2 * args.runs * mp.requests
     calls = {k: v / per for k, v in sorted(mp.calls.items())}
     res = figures(t, rates, calls, mp.requests, mp.round_bytes(pages))
+    if sleeps:
+        res["sleep_floor_sleep_ms"] = median(sleeps) * 1e3
     res.update(write_s=write_s, calls_per_request=calls,
                nobytes_calls_per_request={k: v / per for k, v in sorted(nb.calls.items())},
                empty_v2_calls_per_request={k: v / per for k, v in sorted(mp.empty_v2.items())},
@@ -157,7 +181,7 @@ def run_size(mp, nb, geom, pages, args) -> dict:
         TRACE.arm()
         for _ in range(args.trace_runs):
             for mode in ("idle", "busy"):
-                for r in (mp, nb):
+                for r in everyone:
                     one_run(r, pages, mode == "busy", f"{geom}-{pages}:{r.kind}:{mode}", to)
         for r in (mp, nb):   # backups of new prefixes under a busy scheduler
             with TRACE.round(f"{geom}-{pages}:{r.kind}:backup-busy"):
@@ -165,6 +189,11 @@ def run_size(mp, nb, geom, pages, args) -> dict:
             assert ok, f"{geom} {r.kind}: the traced backup failed"
         TRACE.disarm()
         res["wrong_pages"], res["checked_pages"] = mp.wrong, mp.checked
+    if sl is not None:
+        log(f"{geom:5s} {pages:4d} pages: sleeping floor ({res['sleep_floor_sleep_ms']:.1f} ms "
+            f"per batch) busy/idle {res['sleeping_busy_over_idle']:.2f}, "
+            f"{res['sleeping_ms_over_idle_per_round']:+.1f} ms/round; mp's own beyond it "
+            f"{res['own_beyond_sleeping_ms_per_batch_get']:.2f} ms/batch_get")
     log(f"{geom:5s} {pages:4d} pages x {mp.requests}: mp idle {res['mp_idle_gbps']:.3f} GB/s, "
         f"busy/idle {res['mp_busy_over_idle']:.2f}, {res['mp_ms_over_idle_per_round']:+.1f} "
         f"ms/round; floor {res['nobytes_ms_over_idle_per_round']:+.1f} ms/round; own "
@@ -178,8 +207,10 @@ def figures(t: dict, rates: dict, calls: dict, requests: int, request_bytes: int
     """Direct figures from the interleaved runs `t` (seconds per round of
     `requests` concurrent requests); `calls`: SGLang's calls per request."""
     out = {"runs_s": t, "requests_per_round": requests, "request_bytes": request_bytes}
-    for k in ("mp", "nobytes"):
+    kinds = [k for k in ("mp", "nobytes", "sleeping") if t.get(f"{k}_idle")]
+    for k in kinds:
         idle, busy = median(t[f"{k}_idle"]), median(t[f"{k}_busy"])
+        out[f"{k}_busy_over_idle"] = idle / busy
         out[f"{k}_idle_ms_per_round"] = idle * 1e3
         out[f"{k}_busy_ms_per_round"] = busy * 1e3
         out[f"{k}_ms_over_idle_per_round"] = (busy - idle) * 1e3
@@ -203,6 +234,14 @@ def figures(t: dict, rates: dict, calls: dict, requests: int, request_bytes: int
         out[f"own_ms_per_{name}"] = median(own) / div
     out["loop_rate_mp_over_floor"] = (out["mp_loop_rate"] / out["nobytes_loop_rate"]
                                       if out["nobytes_loop_rate"] else None)
+    if "sleeping" in kinds:   # beyond SGLang's hand-offs plus one ideal wait per batch
+        beyond = [((mb - mi) - (sb - si)) * 1e3 for mi, mb, si, sb in
+                  zip(t["mp_idle"], t["mp_busy"], t["sleeping_idle"], t["sleeping_busy"])]
+        out["own_beyond_sleeping_ms_per_batch_get_runs"] = [x / divisors["batch_get"]
+                                                            for x in beyond]
+        out["own_beyond_sleeping_ms_per_batch_get"] = median(beyond) / divisors["batch_get"]
+        out["loop_rate_mp_over_sleeping"] = (out["mp_loop_rate"] / out["sleeping_loop_rate"]
+                                             if out["sleeping_loop_rate"] else None)
     return out
 
 
@@ -218,6 +257,9 @@ def parse(argv=None):
                     help="traced runs per mode after the timed ones (0: none)")
     ap.add_argument("--no-trace", dest="trace", action="store_false")
     ap.add_argument("--tiny", action="store_true", help="pages of a few KiB (CPU tests)")
+    ap.add_argument("--sleep-floor", action="store_true",
+                    help="also run the sleeping floor: no bytes, one sleep per batch_get as "
+                         "long as mp's idle batch (SGLang's hand-offs plus one ideal wait)")
     ap.add_argument("--workers", type=int, default=None,
                     help="mp num_workers (default 8; 2 with --tiny: a small CPU box)")
     ap.add_argument("--timeout-s", type=float, default=120,
@@ -285,8 +327,11 @@ def summary(res: dict) -> dict:
             "nobytes_ms_over_idle_per_round", "own_ms_per_request", "own_ms_per_batch_get",
             "own_ms_per_batch_get_v2", "own_ms_per_request_runs", "own_ms_per_batch_get_runs",
             "loop_rate_mp_over_floor", "calls_per_request", "empty_v2_calls_per_request",
-            "wrong_pages")
-    out = {f"{g}-{n}": {k: r[k] for k in keys} for g, geo in res["geometries"].items()
+            "wrong_pages", "nobytes_busy_over_idle", "sleeping_busy_over_idle",
+            "sleeping_ms_over_idle_per_round", "sleep_floor_sleep_ms",
+            "own_beyond_sleeping_ms_per_batch_get", "own_beyond_sleeping_ms_per_batch_get_runs",
+            "loop_rate_mp_over_sleeping")
+    out = {f"{g}-{n}": {k: r[k] for k in keys if k in r} for g, geo in res["geometries"].items()
            for n, r in geo["sizes"].items()}
     out["wrong_pages"] = sum(v["wrong_pages"] for v in out.values())
     return out

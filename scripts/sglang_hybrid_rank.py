@@ -78,8 +78,8 @@ class Rank:
         self.hash, self.Handle, self.Key = get_storage_hash_str, CacheRequestHandle, RadixKey
         self.kind, self.g, self.requests, self.top = kind, g, requests, max_pages
         self.P, self.W = g["page_size"], g.get("window_pages", 2)
-        if kind not in ("mp", "nobytes"):
-            raise ValueError(f"unknown backend {kind!r} (mp, nobytes)")
+        if kind not in ("mp", "nobytes", "sleeping"):
+            raise ValueError(f"unknown backend {kind!r} (mp, nobytes, sleeping)")
         n = 2 if kind == "mp" else 1   # mp: src and staging; the floor: staging only
         self.pools = RH.hybrid_pools(S, g, kv_pages=n * requests * max_pages,
                                      prefixes=n * requests)
@@ -88,7 +88,8 @@ class Rank:
             extra = sglang_real.mp_extra(store, num_workers=workers)
             self._fill_src()
         else:   # slots its backups name and it never reads
-            extra = sglang_real.nobytes_extra()
+            extra = (sglang_real.nobytes_extra("Sleeping", "sleeping") if kind == "sleeping"
+                     else sglang_real.nobytes_extra())
             self.src = {"kv": torch.arange(requests * max_pages * self.P),
                         "mamba": torch.arange(requests),
                         "swa": torch.arange(requests * self.W * self.P)}

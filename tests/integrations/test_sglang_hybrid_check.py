@@ -1,6 +1,6 @@
 """scripts/sglang_hybrid_check.py on tiny geometries: SGLang's real
 HybridCacheController over its real Mamba, SWA and DSA host pool groups, mp
-with the no-bytes floor interleaved, idle and busy, the GIL tracer's
+with the no-bytes and sleeping floors interleaved, idle and busy, the GIL tracer's
 per-call table; every KV and sidecar page read is exact."""
 import os
 
@@ -28,7 +28,7 @@ V2 = {"mamba": 1.0, "swa": 1.0, "dsa": 2.0}
 
 
 def test_hybrid_harness_drives_sglangs_controller(tmp_path):
-    res = sglang_hybrid_check.main([*TINY, "--store", str(tmp_path),
+    res = sglang_hybrid_check.main([*TINY, "--sleep-floor", "--store", str(tmp_path),
                                     "--json", str(tmp_path / "h.json")])
     assert os.path.getsize(tmp_path / "h.json") > 0
     assert res["summary"]["wrong_pages"] == 0
@@ -49,8 +49,9 @@ def test_hybrid_harness_drives_sglangs_controller(tmp_path):
         want = {"batch_exists_v2": 1.0, "batch_get_v1": 1.0, "batch_get_v2": V2[g]}
         assert r["calls_per_request"] == r["nobytes_calls_per_request"] == want
         assert r["empty_v2_calls_per_request"] == ({"batch_get_v2": 1.0} if g == "dsa" else {})
-        # the floor ran in the same run, run for run beside mp
-        for k in ("mp", "nobytes"):
+        # both floors ran in the same run, run for run beside mp; the sleeping
+        # one slept per batch what mp's idle batch took
+        for k in ("mp", "nobytes", "sleeping"):
             assert len(r["runs_s"][f"{k}_idle"]) == len(r["runs_s"][f"{k}_busy"]) == 2
             assert r[f"{k}_loop_rate"] > 0
         assert len(r["own_ms_per_request_runs"]) == len(r["own_ms_per_batch_get_runs"]) == 2
@@ -58,6 +59,8 @@ def test_hybrid_harness_drives_sglangs_controller(tmp_path):
         assert r["own_ms_per_batch_get"] == pytest.approx(
             r["own_ms_per_request"] / (1 + V2[g]))
         assert r["loop_rate_mp_over_floor"] > 0 and r["mp_idle_gbps"] > 0
+        assert r["sleep_floor_sleep_ms"] > 0 and r["sleeping_busy_over_idle"] > 0
+        assert len(r["own_beyond_sleeping_ms_per_batch_get_runs"]) == 2
         # the tracer saw SGLang's threads make the calls, per backend, mode and backup
         trace = res["gil_trace"]
         for kind in ("mp", "nobytes"):
@@ -70,6 +73,9 @@ def test_hybrid_harness_drives_sglangs_controller(tmp_path):
         # the no-bytes backend moves nothing, so it sleeps nowhere
         nb = trace[f"{g}-4:nobytes:busy"]["by_call"]
         assert not any("wake.py" in site for c in nb.values() for site in c["sites"])
+        # the sleeping floor's backups and hit queries never sleep; its gets do
+        sl = trace[f"{g}-4:sleeping:busy"]["by_call"]
+        assert sl["batch_get_v1"]["calls"] == 2 and sl["batch_exists_v2"]["c_calls_over_1ms"] == 0
     assert any(row.startswith("| mamba-4:mp:busy | batch_get_v2 | 2 |")
                for row in res["gil_trace_table"])
     assert "mamba-4:mp:warm" not in " ".join(res["gil_trace_table"])
