@@ -80,6 +80,20 @@ def test_a_bounded_flush_says_what_it_left(store, caplog):
     assert any("cancelled" in r.getMessage() for r in caplog.records)
 
 
+def test_a_close_says_how_long_the_shared_memory_took_to_give_back(store, caplog):
+    """A big host pool's pages are freed by the kernel when the engine unmaps
+    it (seconds for tens of GB): close() times that apart, says it, and does
+    not count it as a slow close."""
+    e = make(store, geo=BIG, pages=4 * N, workers=1)
+    with caplog.at_level("INFO", logger="hicache_mp"):
+        e.close()
+    report = e.metrics()["close"]
+    assert 0 < report["release_s"] <= report["close_s"], report
+    lines = [r for r in caplog.records if "close() took" in r.getMessage()]
+    assert len(lines) == 1 and "shared memory released in" in lines[0].getMessage()
+    assert lines[0].levelname == "INFO"   # nothing was cancelled, nothing slow
+
+
 def test_a_close_that_a_signal_handler_interrupts_with_another_close(store):
     """SIGTERM twice: the handler's close() runs while this thread's close()
     waits for a backup a stopped worker holds. Neither waits for the other;
