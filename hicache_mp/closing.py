@@ -114,7 +114,7 @@ class Closing:
         that comes after it, raises EngineClosed. A second close() returns once
         the first is done. `metrics()["close"]` and one log line say what the
         flush wrote, how long giving the shared memory back took (the kernel
-        frees a big pool's pages then: about 5 GB/s), and, when the rest of
+        frees a big pool's pages then: seconds for tens of GB), and, when the rest of
         close() took over a second or left backup pages unwritten, why."""
         if self._forked:
             self._refuse_in_child()
