@@ -3,7 +3,8 @@
 # SGLang stack harness, each at a "before" tree and at this one, interleaved
 # in one call on the GPU box (before, after, before, after). Both trees run
 # this tree's scripts (copied over the before tree's), so only the engine
-# differs: the stack harness changed since (2 requests per round, the tracer). The before tree travels as a tar (made here with
+# differs: the stack harness changed since (2 requests per round, the
+# tracer). The before tree travels as a tar (made here with
 # `git archive REV > .before/before.tar`; .before/ is ignored, carry it with
 # .whl). Usage: scripts/device_before_after.sh OUTDIR prefetch|stack [RUNS]
 # Each run leaves a log and a JSON in OUTDIR: keep OUTDIR off $OUT and tar it

@@ -58,7 +58,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import sglang_hybrid_rank as HR  # noqa: E402
 import sglang_real_hybrid as RH  # noqa: E402
 from giltrace import GilTracer, NullTracer, table as trace_table  # noqa: E402
-from sglang_stack import Scheduler, loop_rate_alone  # noqa: E402
+from sglang_stack import Scheduler, backend_of, loop_rate_alone  # noqa: E402
 
 GETS = ("batch_get_v1", "batch_get_v2")
 
@@ -152,12 +152,8 @@ def run_size(mp, nb, geom, pages, args, sl=None) -> dict:
                 dt, sched = one_run(r, pages, mode == "busy", f"{geom}-{pages}:{r.kind}:{mode}", to)
                 t[f"{r.kind}_{mode}"].append(dt)
                 if r is nb and sl is not None and mode == "idle":
-                    # mp's idle batch, less SGLang's idle hand-offs (at most half)
-                    mi = t["mp_idle"][-1]
-                    be = sl.backend
-                    be = getattr(be, "_backend", be)
-                    be.sleep_s = max(mi / 2, mi - dt) / max(mp_gets, 1)
-                    sleeps.append(be.sleep_s)
+                    # as long as mp's idle batch of this run
+                    sleeps.append(backend_of(sl.ctl).sleep_like(t["mp_idle"][-1], dt, mp_gets))
                 if r is mp:
                     mp_gets = _gets(mp) - g0
                 if mode == "busy":

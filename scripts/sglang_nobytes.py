@@ -71,6 +71,14 @@ class NoBytes(HiCacheStorage):
 class Sleeping(NoBytes):
     sleep_s = 0.0
 
+    def sleep_like(self, round_s: float, floor_round_s: float, gets: int) -> float:
+        """Sleep per batch as a real backend's idle round of `round_s` and
+        `gets` batches, less the no-bytes floor's idle round (SGLang's own
+        hand-offs), but never under half of it (on a tiny round the two are
+        alike); the new sleep_s."""
+        self.sleep_s = max(round_s / 2, round_s - floor_round_s) / max(gets, 1)
+        return self.sleep_s
+
     def batch_get_v1(self, keys, host_indices, extra_info=None):
         time.sleep(self.sleep_s)
         return [True] * len(keys)

@@ -242,8 +242,7 @@ class Stack:
     def close(self):
         with contextlib.suppress(Exception):
             self.ctl._stop_storage_threads()
-        be = self.ctl.storage_backend
-        be = getattr(be, "_backend", be)  # under SGLang's failure injector
+        be = backend_of(self.ctl)
         if hasattr(be, "close"):
             be.close()
         for fd in getattr(self.hp.allocator, "fds", []):
@@ -254,11 +253,16 @@ class Stack:
         self.hp.kv_buffer = None
 
 
+def backend_of(ctl):
+    """The backend behind SGLang's controller (under its failure injector too)."""
+    be = ctl.storage_backend
+    return getattr(be, "_backend", be)
+
+
 def _wakeups(s: Stack):
     """(posted, timed out, stale, leftover) sleeps of hicache_mp's engine so
     far (leftover: posts taken before a sleep, never slept on); None for others."""
-    be = s.ctl.storage_backend
-    eng = getattr(getattr(be, "_backend", be), "engine", None)
+    eng = getattr(backend_of(s.ctl), "engine", None)
     if eng is None:
         return None
     m = eng.metrics()
@@ -268,16 +272,9 @@ def _wakeups(s: Stack):
             m.get("wait_woken_ahead", 0), m.get("wait_spins", 0))
 
 
-def _sleeping(s: Stack):
-    """The Sleeping backend behind the controller (under SGLang's injector too)."""
-    be = s.ctl.storage_backend
-    return getattr(be, "_backend", be)
-
-
 def _pages_done(s: Stack):
     """Pages hicache_mp's workers finished so far (reads and writes); None for others."""
-    be = s.ctl.storage_backend
-    eng = getattr(getattr(be, "_backend", be), "engine", None)
+    eng = getattr(backend_of(s.ctl), "engine", None)
     return None if eng is None else sum(eng.metrics()["worker_pages"])
 
 
@@ -355,12 +352,10 @@ def run_backend(sgl, backend, args, root, floor: "Stack | None" = None,
                     if mode == "busy":
                         out.setdefault("floor_loop_rate", []).append(fs.rate())
                 if sleeper is not None and mode in ("idle", "busy"):
-                    if mode == "idle":  # mp's idle batch, less SGLang's idle hand-offs
-                        # (at most half of it: on a tiny round the two are alike)
+                    if mode == "idle":  # as long as mp's idle batch of this run
                         f_idle = out["floor_idle_s"][-1] if floor is not None else 0.0
-                        _sleeping(sleeper).sleep_s = max(t / 2, t - f_idle) / max(gets, 1)
                         out.setdefault("sleep_floor_sleep_s", []).append(
-                            _sleeping(sleeper).sleep_s)
+                            backend_of(sleeper.ctl).sleep_like(t, f_idle, gets))
                     ss = Scheduler(mode == "busy")
                     with TRACE.round(f"sleep-floor:{mode}"):
                         out.setdefault(f"sleep_floor_{mode}_s", []).append(sleeper.read(ss)[0])
