@@ -65,6 +65,8 @@ class Ring:
         elif self._ctr[_CAP] != capacity or self._ctr[_RECSZ] != RECORD_DTYPE.itemsize:
             raise ValueError(f"ring {name}: capacity/record size mismatch")
         self._records = np.frombuffer(buf, dtype=RECORD_DTYPE, count=capacity, offset=_HEADER_BYTES)
+        # the records as bytes, for pop_bytes: a slice's tobytes is one memcpy
+        self._raw = memoryview(buf)[_HEADER_BYTES:_HEADER_BYTES + capacity * RECORD_DTYPE.itemsize]
         self._lock = None
         if ordered_by_lock:
             flags = posix_ipc.O_CREX if create else 0
@@ -140,8 +142,33 @@ class Ring:
             if self._lock:
                 self._lock.release()
 
+    def pop_bytes(self) -> bytes:
+        """`pop` of every record, as their bytes (b"" if none): a consumer that
+        joins several rings' records before reading them (hicache_mp.draining)
+        copies each ring once, with no numpy call."""
+        if self._lock:
+            self._lock.acquire()
+        try:
+            head = self._ctr[_HEAD]
+            n = self._ctr[_TAIL] - head
+            if n <= 0:
+                return b""
+            size = RECORD_DTYPE.itemsize
+            start = head % self.capacity
+            first = min(n, self.capacity - start)
+            raw = self._raw
+            out = raw[start * size:(start + first) * size].tobytes()
+            if n > first:
+                out += raw[:(n - first) * size].tobytes()
+            self._ctr[_HEAD] = head + n  # release the slots only after copying out
+            return out
+        finally:
+            if self._lock:
+                self._lock.release()
+
     def close(self) -> None:
         del self._records
+        self._raw.release()
         self._ctr.release()
         self.segment.close()
         if self._lock is not None:
