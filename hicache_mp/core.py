@@ -88,6 +88,7 @@ class EngineCore(Lookups, Books, Closing, Ownership):
         self._busy_since = {READ: 0, WRITE: 0}
         self._in_flight = {READ: 0, WRITE: 0}
         self._poll_calls = 0
+        self._lazy_skips = 0      # lazy polls that drained nothing (decision 88)
         self._write_pages = 0          # host pages held by backups in flight (the budget's count)
         self._backup_budget = config.resolved_backup_budget()
         self._pins = np.zeros(PIN_SLOTS, dtype=np.uint64)  # the mp engine shares its own
@@ -185,14 +186,15 @@ class EngineCore(Lookups, Books, Closing, Ownership):
         loader.engine = self
         self.loader = loader
 
-    def poll(self) -> int:
+    def poll(self, lazy: bool = False) -> int:
         """Apply finished pages to their ops. Cheap and non-blocking: call every
-        loop. EngineClosed once the engine is closed."""
+        loop. EngineClosed once the engine is closed. `lazy`: only once an op
+        may be done, a probe is answered or a ring fills (decision 88)."""
         self._check_open()
         try:
             with self._lock:
                 self._poll_calls += 1
-                n = self._drain()
+                n = self._drain(lazy)
                 if self.loader is not None:
                     self.loader.step()
                 if self.config.rescan_interval_s and \
@@ -248,8 +250,8 @@ class EngineCore(Lookups, Books, Closing, Ownership):
             out = {"backend": self.backend, "workers": self._num_workers(),
                    "index_pages": len(self._index), "ops_in_flight": len(self._ops),
                    "stale_tmp_removed": self._index.stale_tmp_removed,
-                   "pages_in_flight": int(self._reserved.sum()),
-                   "page_bytes": self.geometry.page_bytes, "poll_calls": self._poll_calls}
+                   "pages_in_flight": int(self._reserved.sum()), "poll_calls": self._poll_calls,
+                   "page_bytes": self.geometry.page_bytes, "lazy_polls_skipped": self._lazy_skips}
             for kind in (READ, WRITE):
                 counts = self._counts[kind]
                 busy = self._busy_ns[kind] + (now - self._busy_since[kind] if self._in_flight[kind] else 0)
@@ -338,7 +340,7 @@ class EngineCore(Lookups, Books, Closing, Ownership):
 
     def _submit(self, op: Op) -> None: raise NotImplementedError
     def _probe(self, keys, whole: bool) -> set: return set()  # discovery; the mp engine's workers answer
-    def _drain(self) -> int: raise NotImplementedError
+    def _drain(self, lazy: bool = False) -> int: raise NotImplementedError  # lazy: decision 88
     def _cancel_io(self, op: Op) -> None: raise NotImplementedError
     def _sleep_for_completion(self, timeout_s: float, op=None) -> None: raise NotImplementedError
     def _wake_sleepers(self) -> None: pass

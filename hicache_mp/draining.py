@@ -18,6 +18,7 @@ import numpy as np
 from shm import gilkeep
 from shm.ring import RECORD_DTYPE
 from workers import status as st
+from workers.control import PAGES
 from workers.records import KIND_PROBE
 
 
@@ -46,11 +47,32 @@ class Draining:
         n = 0
         if parts:
             n = self.apply(np.frombuffer(b"".join(parts), dtype=RECORD_DTYPE), batch_min)
+        self.evicted(evictor)
+        return n
+
+    def evicted(self, evictor) -> None:
+        """The evict ring: those pages are gone, the index forgets them."""
         if evictor is not None and evictor.ring.pending():
             discard = self.core._index.digests.discard
             for digest in evictor.pop()["digest"]:
                 discard(digest.tobytes())
-        return n
+
+    def due(self, pool, control) -> bool:
+        """For poll(lazy=True) (decision 88): whether the rings may hold what a
+        caller waits for, an op's last page or a probe answer, or are filling.
+        A worker counts a page in its PAGES word before it pushes it, so while
+        fewer pages than any op's outstanding ones are pushed and not drained,
+        no op can be done (waiters note 1)."""
+        core = self.core
+        if core._discovery.waiting or not core._ops:
+            return True
+        undrained = gilkeep.total(control.workers[:, PAGES]) - core._worker_pages
+        if undrained <= 0:
+            return False
+        # half a ring: a worker whose ring is full waits for a drain
+        least = min(pool.workers[0].completion_ring.capacity // 2,
+                    min(op._remaining for op in core._ops.values()))
+        return undrained >= least
 
     def ring(self, ring, batch_min: int) -> int:
         """One completion ring, whole; the page completions applied."""

@@ -153,10 +153,15 @@ class PrefetchEngine(EngineCore):
             disc.mark(self._striping.probe(ask), now)
         return disc.waiting.intersection(asked)
 
-    def _drain(self) -> int:
+    def _drain(self, lazy: bool = False) -> int:
         if self._pool is None or self._pool.closed:
             return 0
-        n = self._draining.rings(self._pool, self._evictor, BATCH_APPLY_MIN)
+        if lazy and not self._draining.due(self._pool, self._control):
+            n = 0
+            self._lazy_skips += 1
+            self._draining.evicted(self._evictor)
+        else:
+            n = self._draining.rings(self._pool, self._evictor, BATCH_APPLY_MIN)
         self._supervisor.maybe_check()
         return n
 

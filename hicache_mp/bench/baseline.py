@@ -95,7 +95,7 @@ class ThreadedFileEngine(InProcessThreads, EngineCore):
             if op.page_status[pos] == st.PENDING:  # not dropped over the backup budget
                 q.put((op, pos))
 
-    def _drain(self) -> int:
+    def _drain(self, lazy: bool = False) -> int:  # in-process: nothing to be lazy about
         n = 0
         while self._done:
             op, pos, code, io_ns, err = self._done.popleft()

@@ -241,7 +241,7 @@ class FastFileEngine(InProcessThreads, EngineCore):
     def _submit(self, op: Op) -> None:
         self._queues[op.kind].put(op)
 
-    def _drain(self) -> int:
+    def _drain(self, lazy: bool = False) -> int:  # in-process: nothing to be lazy about
         n = 0
         while self._done:
             op, batch, results, io_ns = self._done.popleft()

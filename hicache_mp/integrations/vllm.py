@@ -23,8 +23,8 @@ step's end (on_schedule_end, which vLLM calls right after submitting the
 step's promotions and cascades; also get_finished_jobs, drain_jobs, shutdown)
 the step's loads go to the engine as one op and its stores as another
 (engine.prefetch / engine.backup: one wake-up per worker and bulk drains per
-step, not per job). get_finished_jobs polls the engine (engine.poll: counter
-loads and numpy drains) and answers for the jobs of every op that is done,
+step, not per job). get_finished_jobs polls the engine lazily (engine.poll(lazy=True):
+counter loads, and a bulk drain once an op may be done; decision 88) and answers for the jobs of every op that is done,
 together: a row is never reported while the engine still holds it. lookup
 answers from the engine's in-memory index (vllm_lookup). Only drain_jobs and
 shutdown wait, as vLLM's contract says.
@@ -286,7 +286,10 @@ class HiCacheMPTier(SecondaryTierManager):
         self._flush()  # jobs submitted since the step's end (vLLM's eviction path polls too)
         out, self._finished = self._finished, []
         if not self.engine.closed:
-            self.engine.poll()  # also lands the probe answers lookups wait for
+            # lazy: this reports whole jobs, so the pages of an op are drained
+            # together once it may be done (decision 88); probe answers, which
+            # lookups wait for, are drained at once
+            self.engine.poll(lazy=True)
         if not self._ops:
             return out
         done = [entry for entry in self._ops if entry[0].done]
