@@ -31,6 +31,7 @@ import importlib.util
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -102,6 +103,9 @@ def parse_args(argv=None):
     p.add_argument("--helper-out", default="build/fs_io_C.abi3.so")
     p.add_argument("--io", default="warm,cold", help="warm (buffered) and/or cold (O_DIRECT)")
     p.add_argument("--modes", default="idle,busy")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every tier row, "
+                   "interleaved (round 1 of each row, then round 2, ...); the table shows "
+                   "each figure's median over them, the JSON every round")
     p.add_argument("--lookup-keys", type=int, default=2000)
     p.add_argument("--phase-timeout-s", type=float, default=120.0)
     p.add_argument("--quick", action="store_true", help="small sizes: a CPU smoke run")
@@ -458,6 +462,33 @@ def calls_row(args, kind, label, store, threads: int):
 
 
 # --- report ------------------------------------------------------------------------------
+def medians(rows):
+    """One row per tier setting: each figure the median over its rounds (--repeats),
+    bytes summed; a setting with an error in any round shows that error."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["tier"], r["threads"], r["mode"], r["io"]), []).append(r)
+    out = []
+    for key, rs in groups.items():
+        if len(rs) == 1 or any("error" in r for r in rs):
+            out.append(next((r for r in rs if "error" in r), rs[0]))
+            continue
+        med = lambda get: statistics.median(get(r) for r in rs)  # noqa: E731
+        row = dict(rs[0], rounds=len(rs))
+        row["store"] = dict(rs[0]["store"], gbps=med(lambda r: r["store"]["gbps"]),
+                            capped=any(r["store"]["capped"] for r in rs))
+        row["load"] = dict(rs[0]["load"], gbps=med(lambda r: r["load"]["gbps"]),
+                           call_share=med(lambda r: r["load"]["call_share"]),
+                           capped=any(r["load"]["capped"] for r in rs),
+                           bytes_verified=sum(r["load"]["bytes_verified"] for r in rs),
+                           wrong_bytes=sum(r["load"]["wrong_bytes"] for r in rs))
+        for k in ("loop_ratio", "spin_ratio"):
+            if k in rs[0]:
+                row[k] = med(lambda r: r[k])
+        out.append(row)
+    return out
+
+
 def best(rows, tier_prefix, mode, io, what):
     vals = [(r[what]["gbps"], r["threads"]) for r in rows if r["tier"].startswith(tier_prefix)
             and r["mode"] == mode and r["io"] == io and what in r]
@@ -465,7 +496,9 @@ def best(rows, tier_prefix, mode, io, what):
 
 
 def report(rows, looks, rate0, helper):
-    print(f"\nbusy loop with no I/O: {rate0 / 1e6:.2f} M iterations/s; per load phase: loop = "
+    n = max((r.get("rounds", 1) for r in rows), default=1)
+    print(f"\n{f'medians of {n} interleaved rounds per row; ' if n > 1 else ''}"
+          f"busy loop with no I/O: {rate0 / 1e6:.2f} M iterations/s; per load phase: loop = "
           f"the loop's rate / no I/O, calls = share of the phase inside the tier's calls "
           f"(submits included), spin = spinning rate / no I/O (loop ~ spin x (1 - calls))")
     print(f"{'tier':<22}{'thr':>5}{'mode':>6}{'io':>6}{'store GB/s':>12}{'load GB/s':>11}"
@@ -541,18 +574,21 @@ def main(argv=None) -> int:
                 json.dump({"args": vars(args), "fs_helper": helper, "calls": out}, f, indent=1)
         return 0
     try:
-        for io in args.io.split(","):
-            for mode in args.modes.split(","):
-                for kind, label, c_on, counts in plan:
-                    for threads in counts:
-                        if c_on is not None:
-                            set_fs_c(c_on)
-                        run += 1
-                        rows.append(tier_row(rig, args, kind, label,
-                                             os.path.join(root, f"run{run}"), threads=threads,
-                                             direct=io == "cold", busy=mode == "busy",
-                                             run_id=run, baseline_s=baseline_s))
-                        print(json.dumps(rows[-1]), flush=True)
+        for rep in range(args.repeats):
+            for io in args.io.split(","):
+                for mode in args.modes.split(","):
+                    for kind, label, c_on, counts in plan:
+                        for threads in counts:
+                            if c_on is not None:
+                                set_fs_c(c_on)
+                            run += 1
+                            rows.append(tier_row(rig, args, kind, label,
+                                                 os.path.join(root, f"run{run}"),
+                                                 threads=threads, direct=io == "cold",
+                                                 busy=mode == "busy", run_id=run,
+                                                 baseline_s=baseline_s))
+                            rows[-1]["round"] = rep + 1
+                            print(json.dumps(rows[-1]), flush=True)
         for mode in args.modes.split(","):
             for kind, label, c_on, counts in plan:
                 if c_on is not None:
@@ -564,7 +600,7 @@ def main(argv=None) -> int:
         rig.close()
         if args.store is None:
             shutil.rmtree(root, ignore_errors=True)
-    ratios = report(rows, looks, rate0, helper)
+    ratios = report(medians(rows), looks, rate0, helper)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items()}, "fs_helper": helper,

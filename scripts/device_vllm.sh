@@ -17,11 +17,13 @@
 #    OUTDIR/vllm_capacity.log;
 # and prints the summary. It does not source scripts/device_deps.sh: that is
 # SGLang's (.whl/), which this run neither needs nor can carry beside this.
-# Usage: scripts/device_vllm.sh OUTDIR [ROWS]   (ROWS: rows per phase, default
-# 2048 = 4 GiB, lowered to what /dev/shm holds)
+# Usage: scripts/device_vllm.sh OUTDIR [ROWS [REPEATS]]   (ROWS: rows per phase,
+# default 2048 = 4 GiB, lowered to what /dev/shm holds; REPEATS: interleaved
+# rounds of every tier row, medians in the table, default 1)
 set -u
 out=${1:?usage: scripts/device_vllm.sh OUTDIR [ROWS]}
 rows=${2:-2048}
+repeats=${3:-1}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
@@ -80,7 +82,7 @@ rm -rf "$store"
 t1=$SECONDS
 timeout -k 10 320 python3 scripts/bench_vllm_tier.py --rows "$rows" --store "$store/tier" \
   ${helper[@]+"${helper[@]}"} --fs-threads 4,16,64 --fs-py-threads 4,16 --io warm,cold \
-  --modes idle,busy --lookup-keys 2000 --phase-timeout-s 40 \
+  --modes idle,busy --lookup-keys 2000 --phase-timeout-s 40 --repeats "$repeats" \
   --json "$out/vllm.json" > "$out/vllm.log" 2>&1
 echo "bench_vllm_tier rc=$? in $((SECONDS - t1))s (rows $rows)"
 t1=$SECONDS
@@ -91,8 +93,8 @@ echo "bench_vllm_capacity rc=$? in $((SECONDS - t1))s"
 rm -rf "$store"
 # The summary: the table, ratios, lookups and bytes (everything after the
 # per-row JSON lines), then the capacity line; errors if there is no table.
-grep -q "^busy loop with no I/O" "$out/vllm.log" &&
-  sed -n '/^busy loop with no I\/O/,$p' "$out/vllm.log" ||
+grep -qE "^(medians of .*; )?busy loop with no I/O" "$out/vllm.log" &&
+  sed -nE '/^(medians of .*; )?busy loop with no I\/O/,$p' "$out/vllm.log" ||
   { grep -v '^{' "$out/vllm.log" | tail -n 30; }
 grep "^capacity:" "$out/vllm_capacity.log" || tail -n 20 "$out/vllm_capacity.log"
 echo "total $((SECONDS - t0))s"
