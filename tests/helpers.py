@@ -25,6 +25,18 @@ def fill(eng, slots, data) -> None:
         eng.host_pool.page_view(slot).copy_(page)
 
 
+def backed_up(eng, n: int, seed: int):
+    """`n` new keys whose random pages (slots 0..n-1) are written to the store;
+    (keys, data)."""
+    import os
+    keys = [os.urandom(32).hex() for _ in range(n)]
+    data = random_pages(eng.geometry, n, seed=seed)
+    fill(eng, range(n), data)
+    op = eng.backup(keys, list(range(n)))
+    assert eng.wait(op, 60) and op.status == "ok"
+    return keys, data
+
+
 def read_back(eng, slots) -> torch.Tensor:
     views = [eng.host_pool.page_view(s).clone() for s in slots]
     return torch.stack(views) if views else torch.empty(0, *eng.geometry.page_shape, dtype=getattr(torch, eng.geometry.dtype))

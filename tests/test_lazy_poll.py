@@ -7,16 +7,7 @@ import time
 
 import torch
 
-from helpers import engine, fill, random_pages, read_back
-
-
-def _written(eng, n: int, seed: int):
-    keys = [os.urandom(32).hex() for _ in range(n)]
-    data = random_pages(eng.geometry, n, seed=seed)
-    fill(eng, range(n), data)
-    op = eng.backup(keys, list(range(n)))
-    assert eng.wait(op, 60) and op.status == "ok"
-    return keys, data
+from helpers import backed_up, engine, read_back
 
 
 def _landed(eng) -> int:
@@ -26,7 +17,7 @@ def _landed(eng) -> int:
 def test_a_lazy_poll_leaves_an_unfinished_op_alone_and_ends_it_exactly(store):
     n = 32
     with engine(store, pages=2 * n, workers=2) as eng:
-        keys, data = _written(eng, n, seed=21)
+        keys, data = backed_up(eng, n, seed=21)
         stopped = eng.worker_pids()[1]
         os.kill(stopped, signal.SIGSTOP)
         try:
@@ -59,7 +50,7 @@ def test_lazy_polls_end_many_small_ops_in_the_order_they_finish(store):
     may be done, whatever the ops still in flight beside it."""
     n = 48
     with engine(store, pages=2 * n, workers=2) as eng:
-        keys, data = _written(eng, n, seed=22)
+        keys, data = backed_up(eng, n, seed=22)
         ops = [eng.prefetch(keys[i:i + 2], [n + i, n + i + 1]) for i in range(0, n, 2)]
         deadline = time.monotonic() + 30
         while not all(op.done for op in ops):

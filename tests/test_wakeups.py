@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from helpers import engine, fill, random_pages, read_back
+from helpers import backed_up, engine, fill, random_pages, read_back
 from workers.timing import TARGET_CAP_S
 
 
@@ -14,20 +14,10 @@ def _wakeups(eng):
     return m["wait_wakeups_posted"], m["wait_wakeups_timeout"]
 
 
-def _stored(eng, n: int, seed: int):
-    """`n` new keys whose random pages (slots 0..n-1) are backed up; (keys, data)."""
-    keys = [os.urandom(32).hex() for _ in range(n)]
-    data = random_pages(eng.geometry, n, seed=seed)
-    fill(eng, range(n), data)
-    op = eng.backup(keys, list(range(n)))
-    assert eng.wait(op, 60) and op.status == "ok"
-    return keys, data
-
-
 def test_one_waiter_is_woken_once_per_batch_not_per_page(store):
     n = 256
     with engine(store, pages=n, workers=2) as eng:
-        keys, data = _stored(eng, n, seed=3)
+        keys, data = backed_up(eng, n, seed=3)
         posted0, _ = _wakeups(eng)
         assert posted0 <= 4, f"{posted0} posted wake-ups for one {n}-page batch"
         for _ in range(3):
@@ -101,7 +91,7 @@ def test_a_post_left_over_from_an_earlier_wait_does_not_end_the_next_sleep(store
     import signal
     n = 32
     with engine(store, pages=n, workers=2) as eng:
-        keys, data = _stored(eng, n, seed=4)
+        keys, data = backed_up(eng, n, seed=4)
         pids = eng.worker_pids()
         for pid in pids:   # the next op cannot finish before its waiter sleeps
             os.kill(pid, signal.SIGSTOP)
@@ -170,7 +160,7 @@ def test_a_busy_scheduler_wakes_the_waiter_ahead_of_its_batch_end_with_exact_byt
     import threading
     n = 128
     with engine(store, pages=2 * n, workers=2) as eng:
-        keys, data = _stored(eng, n, seed=6)
+        keys, data = backed_up(eng, n, seed=6)
         stop = threading.Event()
 
         def scheduler():   # pure Python: gives the GIL up only at the switch interval
@@ -204,7 +194,7 @@ def test_a_target_lowered_too_far_costs_a_second_sleep_never_a_short_answer(stor
     import signal
     n = 64
     with engine(store, pages=2 * n, workers=2) as eng:
-        keys, data = _stored(eng, n, seed=8)
+        keys, data = backed_up(eng, n, seed=8)
         w = eng._waiters
         pids = eng.worker_pids()
         for pid in pids:   # the waiter is asleep on its lowered target before any page lands
@@ -234,7 +224,7 @@ def test_a_batch_due_within_the_spin_cap_is_drained_without_a_sleep(store):
     a spin that outlived its cap. The bytes are exact."""
     n = 2
     with engine(store, pages=2 * n, workers=2) as eng:
-        keys, data = _stored(eng, n, seed=10)
+        keys, data = backed_up(eng, n, seed=10)
         w = eng._waiters
         spins = 0
         # until one round spins: on a busy box the workers may finish a
@@ -266,7 +256,7 @@ def test_a_one_page_op_sleeps_once_for_its_post_even_under_slow_hand_backs(store
     import threading
     n = 1
     with engine(store, pages=2, workers=1) as eng:
-        keys, data = _stored(eng, n, seed=12)
+        keys, data = backed_up(eng, n, seed=12)
         w = eng._waiters
         pids = eng.worker_pids()
         for pid in pids:
