@@ -18,7 +18,6 @@ import numpy as np
 from shm import gilkeep
 from shm.ring import RECORD_DTYPE
 from workers import status as st
-from workers.control import PAGES
 from workers.records import KIND_PROBE
 
 
@@ -66,7 +65,7 @@ class Draining:
         core = self.core
         if core._discovery.waiting or not core._ops:
             return True
-        undrained = gilkeep.total(control.workers[:, PAGES]) - core._worker_pages
+        undrained = control.pages_done() - core._worker_pages
         if undrained <= 0:
             return False
         # half a ring: a worker whose ring is full waits for a drain
@@ -76,7 +75,7 @@ class Draining:
 
     def ring(self, ring, batch_min: int) -> int:
         """One completion ring, whole; the page completions applied."""
-        return self.apply(ring.pop(), batch_min)
+        return self.apply(np.frombuffer(ring.pop_bytes(), dtype=RECORD_DTYPE), batch_min)
 
     def apply(self, recs, batch_min: int) -> int:
         """Completion records popped from the rings, in landed order; the page

@@ -87,8 +87,7 @@ leader's one sleep is the only place the GIL is given up (decision 74).
 import threading
 import time
 
-from shm import gilkeep
-from workers.control import PAGES, POSTED_NS, WAITERS, WAKE_AT, WAKE_SEQ
+from workers.control import POSTED_NS, WAITERS, WAKE_AT, WAKE_SEQ
 from workers.timing import AHEAD_MIN_S, AHEAD_SHARE, NO_TARGET_CAP_S, SPIN_CAP_S, TARGET_CAP_S
 
 
@@ -149,7 +148,7 @@ class Waiters:
                     self._leave(at)
                 return
             self.leader = me
-            since = (time.monotonic_ns(), gilkeep.total(self.control.workers[:, PAGES]))
+            since = (time.monotonic_ns(), self.control.pages_done())
         posted = False
         try:
             # The one place the GIL is given up: counted (posted wake-ups and
@@ -226,7 +225,7 @@ class Waiters:
             self.expired += 1
         if not posted or not at or follower or self.engine._released:
             return
-        if gilkeep.total(self.control.workers[:, PAGES]) < at:
+        if self.control.pages_done() < at:
             self.stale += 1
             return
         now, posted_ns = time.monotonic_ns(), int(self.control.words[POSTED_NS])

@@ -65,7 +65,7 @@ class Ring:
         elif self._ctr[_CAP] != capacity or self._ctr[_RECSZ] != RECORD_DTYPE.itemsize:
             raise ValueError(f"ring {name}: capacity/record size mismatch")
         self._records = np.frombuffer(buf, dtype=RECORD_DTYPE, count=capacity, offset=_HEADER_BYTES)
-        # the records as bytes, for pop_bytes: a slice's tobytes is one memcpy
+        # the records as bytes, for pop_bytes
         self._raw = memoryview(buf)[_HEADER_BYTES:_HEADER_BYTES + capacity * RECORD_DTYPE.itemsize]
         self._lock = None
         if ordered_by_lock:
@@ -121,6 +121,20 @@ class Ring:
     # --- consumer ----------------------------------------------------------
     def pop(self, max_records: int | None = None) -> np.ndarray:
         """Remove and return up to `max_records` records (a copy); empty if none."""
+        out = self._take(max_records, self._copy_records)
+        return _EMPTY if out is None else out
+
+    def pop_bytes(self) -> bytes:
+        """`pop` of every record, as their bytes (b"" if none): a consumer that
+        joins several rings' records before reading them (hicache_mp.draining)
+        copies each ring once, with no numpy call."""
+        out = self._take(None, self._copy_bytes)
+        return b"" if out is None else out
+
+    def _take(self, max_records, copy_out):
+        """The consumer's protocol: copy the next records out with
+        `copy_out(start, first, n)` (`first` of them before the wrap), then
+        release their slots; None if there are none."""
         if self._lock:
             self._lock.acquire()
         try:
@@ -129,42 +143,24 @@ class Ring:
             if max_records is not None:
                 n = min(n, max_records)
             if n <= 0:
-                return _EMPTY
+                return None
             start = head % self.capacity
-            first = min(n, self.capacity - start)
-            if n > first:
-                out = concat((self._records[start:], self._records[:n - first]), RECORD_DTYPE)
-            else:
-                out = copy(self._records[start:start + n])
+            out = copy_out(start, min(n, self.capacity - start), n)
             self._ctr[_HEAD] = head + n  # release the slots only after copying out
             return out
         finally:
             if self._lock:
                 self._lock.release()
 
-    def pop_bytes(self) -> bytes:
-        """`pop` of every record, as their bytes (b"" if none): a consumer that
-        joins several rings' records before reading them (hicache_mp.draining)
-        copies each ring once, with no numpy call."""
-        if self._lock:
-            self._lock.acquire()
-        try:
-            head = self._ctr[_HEAD]
-            n = self._ctr[_TAIL] - head
-            if n <= 0:
-                return b""
-            size = RECORD_DTYPE.itemsize
-            start = head % self.capacity
-            first = min(n, self.capacity - start)
-            raw = self._raw
-            out = raw[start * size:(start + first) * size].tobytes()
-            if n > first:
-                out += raw[:(n - first) * size].tobytes()
-            self._ctr[_HEAD] = head + n  # release the slots only after copying out
-            return out
-        finally:
-            if self._lock:
-                self._lock.release()
+    def _copy_records(self, start: int, first: int, n: int) -> np.ndarray:
+        if n > first:
+            return concat((self._records[start:], self._records[:n - first]), RECORD_DTYPE)
+        return copy(self._records[start:start + n])
+
+    def _copy_bytes(self, start: int, first: int, n: int) -> bytes:
+        size, raw = RECORD_DTYPE.itemsize, self._raw  # a slice's tobytes: one memcpy
+        out = raw[start * size:(start + first) * size].tobytes()
+        return out + raw[:(n - first) * size].tobytes() if n > first else out
 
     def close(self) -> None:
         del self._records

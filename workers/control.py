@@ -85,7 +85,7 @@ import time
 
 import numpy as np
 
-from shm import Segment
+from shm import Segment, gilkeep
 
 MAX_WORKERS = 256
 MAX_LANES = 32   # io_depth bound: one heartbeat word per lane
@@ -136,6 +136,11 @@ class Control:
 
     def stopping(self) -> bool:
         return bool(self.words[STOP])
+
+    def pages_done(self) -> int:
+        """Every worker's PAGES summed (a page is counted before its
+        completion is pushed: hicache_mp.waiters, note 1); the GIL held."""
+        return gilkeep.total(self.workers[:, PAGES])
 
     def cancelled(self, op_id: int) -> bool:
         return self.cancel_table[op_id % CANCEL_SLOTS] == op_id

@@ -255,7 +255,7 @@ class Worker:
         if at:
             seq = int(words[WAKE_SEQ])
             if int(words[POSTED_SEQ]) == seq or self.done.pending() or \
-                    int(self.control.workers[:, PAGES].sum()) < at:
+                    self.control.pages_done() < at:
                 return
             words[POSTED_SEQ] = seq
         words[POSTED_NS] = time.monotonic_ns()
