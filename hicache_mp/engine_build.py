@@ -142,7 +142,7 @@ def _build(res: Resources, config: EngineConfig, geometry: PageGeometry, pool_fd
                                  fd=None if own_fd is None else own_fd.fd,
                                  closed_error=EngineClosed)
     segments.append(res.host_pool)
-    control = res.control = Control(res.tag + ".ctl", create=True)
+    control = res.control = Control(res.tag + ".ctl", create=True, num_workers=workers)
     segments.append(control)
     res.done_sem = WakeSemaphore(res.tag + ".done", create=True)
     segments.append(res.done_sem)

@@ -34,6 +34,10 @@ def main(argv=None) -> int:
     p.add_argument("--tree", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                    help="the checkout whose hicache_mp and scripts/bench_vllm_tier.py run")
     p.add_argument("--profile", action="store_true", help="cProfile the tier's calls")
+    p.add_argument("--breakdown", action="store_true",
+                   help="per load phase: ms and calls by kind (submits, the step end that "
+                        "starts the op, polls that drained, polls that skipped, polls that "
+                        "reported jobs)")
     args = p.parse_args(argv)
     sys.path[:0] = [os.path.join(args.tree, "scripts"), args.tree]
     import numpy as np
@@ -57,6 +61,31 @@ def main(argv=None) -> int:
             finally:
                 prof.disable()
         bench.Clock.call = profiled
+    kinds: dict = {}
+    phase = ["store", False]
+    if args.breakdown:
+        timed, moved = bench.Clock.call, bench.move
+
+        def move(*a, **k):  # which phase the calls belong to: a store's, a load's
+            phase[:] = ["load" if a[7] else "store", True]
+            return moved(*a, **k)
+        bench.move = move
+
+        def bucketed(self, fn, *a):
+            name = getattr(fn, "__name__", "?")
+            eng = getattr(getattr(fn, "__self__", None), "engine", None)
+            skips = getattr(eng, "_lazy_skips", 0)
+            before = self.calls_s
+            out = timed(self, fn, *a)
+            dt = self.calls_s - before
+            if name == "get_finished_jobs" and phase[1]:
+                name, phase[1] = "first poll (op start)", False
+            elif name == "get_finished_jobs":
+                name = ("poll reported" if out else "poll skipped"
+                        if getattr(eng, "_lazy_skips", 0) > skips else "poll drained")
+            kinds.setdefault(f"{phase[0]}: {name}", []).append(dt)
+            return out
+        bench.Clock.call = bucketed
     root = tempfile.mkdtemp(prefix="profile_vllm_tier.")
     rows, wrong = [], 0
     try:
@@ -76,8 +105,18 @@ def main(argv=None) -> int:
     med = [statistics.median(x[j] for x in rows) for j in range(5)]
     print("median of %d: load %.2f GB/s, calls %.1f ms (share %.3f), loop %.2f, spin %.2f"
           % (len(rows), *med))
+    if kinds:  # store and load phases alike: per phase, both
+        print(f"per phase ({len(rows)} of each), by kind of call (the first poll of a phase "
+              f"starts its op):")
+        phases = len(rows)
+        print(f"  {'kind':<22}{'calls':>7}{'ms':>8}{'us median':>11}{'p90':>8}{'max':>8}")
+        for name, ts in sorted(kinds.items(), key=lambda kv: (kv[0][0], -sum(kv[1]))):
+            ts = sorted(ts)
+            print(f"  {name:<22}{len(ts) / phases:7.1f}{sum(ts) * 1e3 / phases:8.2f}"
+                  f"{ts[len(ts) // 2] * 1e6:11.1f}{ts[len(ts) * 9 // 10] * 1e6:8.1f}"
+                  f"{ts[-1] * 1e6:8.0f}")
     if prof:
-        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+        pstats.Stats(prof).sort_stats(os.environ.get("PROF_SORT", "tottime")).print_stats(int(os.environ.get("PROF_N", "20")))
     return 1 if wrong else 0
 
 

@@ -122,8 +122,11 @@ def write_key(digest: bytes) -> int:
 
 
 class Control:
-    def __init__(self, name: str, *, create: bool):
+    def __init__(self, name: str, *, create: bool, num_workers: int = MAX_WORKERS):
+        if not 0 < num_workers <= MAX_WORKERS:
+            raise ValueError(f"num_workers={num_workers}: 1 to {MAX_WORKERS}")
         self.segment = Segment(name, CONTROL_BYTES, create=create)
+        self.num_workers = num_workers
         self.words = np.frombuffer(self.segment.map, dtype=np.uint64, count=_TOTAL)
         self.workers = self.words[_WORKERS_AT:_CANCEL_AT].reshape(MAX_WORKERS, _WORKER_FIELDS)
         self.cancel_table = self.words[_CANCEL_AT:_PINS_AT]
@@ -139,8 +142,10 @@ class Control:
 
     def pages_done(self) -> int:
         """Every worker's PAGES summed (a page is counted before its
-        completion is pushed: hicache_mp.waiters, note 1); the GIL held."""
-        return gilkeep.total(self.workers[:, PAGES])
+        completion is pushed: hicache_mp.waiters, note 1); the GIL held.
+        Only the engine's own workers' words: a lazy poll (decision 88) reads
+        this on every call, and all MAX_WORKERS words cost it 6 us of 8."""
+        return gilkeep.total(self.workers[:self.num_workers, PAGES])
 
     def cancelled(self, op_id: int) -> bool:
         return self.cancel_table[op_id % CANCEL_SLOTS] == op_id

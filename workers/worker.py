@@ -106,7 +106,7 @@ class Worker:
         self.completion_ring = Ring(spec.completion_ring, spec.completion_capacity, create=False)
         self.wake = WakeSemaphore(spec.wake_sem, create=False)
         self.done = WakeSemaphore(spec.done_sem, create=False)
-        self.control = Control(spec.control, create=False)
+        self.control = Control(spec.control, create=False, num_workers=spec.num_workers)
         self.stats = self.control.workers[self.index]
         self.heartbeat = self.control.heartbeat[self.index]
         self.depth = spec.io_depth
