@@ -42,7 +42,7 @@ GEO = dict(num_layers=4, num_kv_heads=4, head_dim=32, page_size=8)  # 16 KiB pag
 def _duration() -> float:
     if os.environ.get("HICACHE_SOAK_S"):
         return float(os.environ["HICACHE_SOAK_S"])
-    return 10.0 if os.environ.get("CI", "").lower() == "true" else 60.0
+    return 6.0 if os.environ.get("CI", "").lower() == "true" else 60.0
 
 
 class Soak:
@@ -366,7 +366,7 @@ def test_soak_with_dev_shm_full(tmp_path):
         import pytest
         pytest.skip("needs root and unshare(1) for a private /dev/shm")
     env = dict(os.environ, HICACHE_SOAK_FILL_SHM="1",
-               HICACHE_SOAK_S=os.environ.get("HICACHE_SOAK_FULL_SHM_S", "6"))
+               HICACHE_SOAK_S=os.environ.get("HICACHE_SOAK_FULL_SHM_S", "4"))
     cmd = ("mount -t tmpfs -o size=32m tmpfs /dev/shm && exec \"$0\" -m pytest -q -s "
            "-p no:cacheprovider \"$1\" --basetemp \"$2\"")
     proc = subprocess.run(["unshare", "-m", "sh", "-c", cmd, sys.executable,
