@@ -80,18 +80,22 @@ class Books:
         if not n:
             return
         gilkeep.set_at(self._reserved, gilkeep.take(op.host_pages, pos), False)
-        gilkeep.add_at(self._pins, gilkeep.take(op.pin_slots, pos), -1)
+        gilkeep.add_at(self._pins, gilkeep.take(op.pin_slots, pos), -1, unique=op.pins_unique)
         if op.kind == WRITE:
             self._write_pages -= n
         op.landed_seq[pos] = seqs
-        gilkeep.add_at(self._counts[op.kind], codes, 1)
         ok = gilkeep.eq(codes, st.OK)
+        every_ok = gilkeep.all_(ok)
+        if every_ok:  # the common drain: one count, not add_at's Counter
+            self._counts[op.kind][st.OK] += n
+        else:
+            gilkeep.add_at(self._counts[op.kind], codes, 1)
         digests = op.digests
-        if op.kind == WRITE and gilkeep.any_(ok):
+        if op.kind == WRITE and (every_ok or gilkeep.any_(ok)):
             add = self._index.add
-            for p in pos[ok].tolist():
+            for p in (pos if every_ok else pos[ok]).tolist():
                 add(digests[p])
-        if not gilkeep.all_(ok):
+        if not every_ok:
             bad = ~ok
             if op.kind == READ:
                 discard = self._index.discard  # the index was stale: heal it

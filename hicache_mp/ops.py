@@ -22,7 +22,7 @@ class Op:
     __slots__ = ("id", "kind", "keys", "host_pages", "digests", "num_pages", "page_status",
                  "worker_of", "policy", "deadline", "_lead", "_remaining", "_cancelled",
                  "_frozen_lead", "submit_ns", "done_ns", "first_ns", "io_ns", "ok_pages",
-                 "page_bytes", "landed_ns", "device_event", "pin_slots", "digest_bytes",
+                 "page_bytes", "landed_ns", "device_event", "pin_slots", "pins_unique", "digest_bytes",
                  "landed_seq")
 
     def __init__(self, op_id: int, kind: str, keys, host_pages: np.ndarray, digests: list,
@@ -53,6 +53,7 @@ class Op:
         # arrive in the order it did them): shows read-over-write priority.
         self.landed_seq = gilkeep.full(self.num_pages, -1, np.int64)
         self.pin_slots = None  # set by the engine at submit
+        self.pins_unique = False  # no pin slot twice in the op: so in no part of it either
         self.digest_bytes = b""  # the digests joined, set by the engine at submit
         self.device_event = None
 

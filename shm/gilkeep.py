@@ -161,11 +161,13 @@ def take(table: np.ndarray, idx: np.ndarray) -> np.ndarray:
     return concat([table[idx[a:a + CHUNK]] for a in range(0, n, CHUNK)], table.dtype)
 
 
-def add_at(table: np.ndarray, idx: np.ndarray, delta: int) -> None:
-    """np.add.at(table, idx, delta): an index given k times adds k * delta."""
-    lst = idx.tolist()
+def add_at(table: np.ndarray, idx: np.ndarray, delta: int, unique: bool = False) -> None:
+    """np.add.at(table, idx, delta): an index given k times adds k * delta.
+    `unique`: the caller knows no index repeats (the check is most of the
+    cost: a set of the indices)."""
     step = np.asarray(abs(delta), dtype=table.dtype)
-    if len(set(lst)) == len(lst):
+    lst = None if unique else idx.tolist()
+    if unique or len(set(lst)) == len(lst):
         keys, times = idx, None
     else:  # Counter's loop is C (collections._count_elements): GIL held
         counts = collections.Counter(lst)
