@@ -317,8 +317,7 @@ class EngineCore(Lookups, Books, Closing, Ownership):
             self._in_flight[kind] += 1
             op.digest_bytes = b"".join(digests)  # the pins' and the records' (striping) source
             op.pin_slots = pin_slots(op.digest_bytes)
-            # checked once here; every drain of the op's pages then skips it
-            op.pins_unique = not gilkeep.repeats(op.pin_slots)
+            op.pins_unique = not gilkeep.repeats(op.pin_slots)  # once: its drains skip it
             gilkeep.add_at(self._pins, op.pin_slots, 1, unique=op.pins_unique)
             if kind == WRITE:
                 room = max(0, self._backup_budget - self._write_pages)
