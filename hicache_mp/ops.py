@@ -22,8 +22,8 @@ class Op:
     __slots__ = ("id", "kind", "keys", "host_pages", "digests", "num_pages", "page_status",
                  "worker_of", "policy", "deadline", "_lead", "_remaining", "_cancelled",
                  "_frozen_lead", "submit_ns", "done_ns", "first_ns", "io_ns", "ok_pages",
-                 "page_bytes", "landed_ns", "device_event", "pin_slots", "pins_unique", "digest_bytes",
-                 "landed_seq")
+                 "page_bytes", "landed_ns", "device_event", "pin_slots", "pins_unique",
+                 "digest_bytes", "landed_seq")
 
     def __init__(self, op_id: int, kind: str, keys, host_pages: np.ndarray, digests: list,
                  page_bytes: int, policy: str, timeout_s: float):

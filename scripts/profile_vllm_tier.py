@@ -6,7 +6,8 @@ store, then a load, of --rows rows, the pure-Python busy loop between steps.
 Per load phase it prints GB/s, the milliseconds vLLM's scheduler thread
 spent inside the tier's calls (submits included), their share of the phase,
 the loop's rate against its rate with no I/O, and the spin's rate, then the
-medians. --profile adds a cProfile of the tier's calls alone. --tree DIR
+medians. --profile adds a cProfile of the tier's calls alone, --breakdown
+their time by kind of call. --tree DIR
 takes hicache_mp and the bench from another checkout (e.g. a `git archive`
 of an older commit), so two trees can be timed in one session on one
 machine, interleaved.
@@ -34,10 +35,12 @@ def main(argv=None) -> int:
     p.add_argument("--tree", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                    help="the checkout whose hicache_mp and scripts/bench_vllm_tier.py run")
     p.add_argument("--profile", action="store_true", help="cProfile the tier's calls")
+    p.add_argument("--sort", default="tottime", choices=["tottime", "cumulative"],
+                   help="--profile's order")
     p.add_argument("--breakdown", action="store_true",
-                   help="per load phase: ms and calls by kind (submits, the step end that "
-                        "starts the op, polls that drained, polls that skipped, polls that "
-                        "reported jobs)")
+                   help="per store and load phase: calls and ms by kind (submits, the first "
+                        "poll, which starts the step's ops, polls that skipped, drained or "
+                        "reported jobs, step ends), with each kind's median, p90 and max")
     args = p.parse_args(argv)
     sys.path[:0] = [os.path.join(args.tree, "scripts"), args.tree]
     import numpy as np
@@ -66,9 +69,9 @@ def main(argv=None) -> int:
     if args.breakdown:
         timed, moved = bench.Clock.call, bench.move
 
-        def move(*a, **k):  # which phase the calls belong to: a store's, a load's
-            phase[:] = ["load" if a[7] else "store", True]
-            return moved(*a, **k)
+        def move(tier, rig, bargs, keys, src, dst, busy, load, first_id):
+            phase[:] = ["load" if load else "store", True]  # whose the calls are
+            return moved(tier, rig, bargs, keys, src, dst, busy, load, first_id)
         bench.move = move
 
         def bucketed(self, fn, *a):
@@ -105,18 +108,18 @@ def main(argv=None) -> int:
     med = [statistics.median(x[j] for x in rows) for j in range(5)]
     print("median of %d: load %.2f GB/s, calls %.1f ms (share %.3f), loop %.2f, spin %.2f"
           % (len(rows), *med))
-    if kinds:  # store and load phases alike: per phase, both
+    if kinds:
         print(f"per phase ({len(rows)} of each), by kind of call (the first poll of a phase "
               f"starts its op):")
         phases = len(rows)
-        print(f"  {'kind':<22}{'calls':>7}{'ms':>8}{'us median':>11}{'p90':>8}{'max':>8}")
+        print(f"  {'kind':<30}{'calls':>7}{'ms':>8}{'us median':>11}{'p90':>8}{'max':>8}")
         for name, ts in sorted(kinds.items(), key=lambda kv: (kv[0][0], -sum(kv[1]))):
             ts = sorted(ts)
-            print(f"  {name:<22}{len(ts) / phases:7.1f}{sum(ts) * 1e3 / phases:8.2f}"
+            print(f"  {name:<30}{len(ts) / phases:7.1f}{sum(ts) * 1e3 / phases:8.2f}"
                   f"{ts[len(ts) // 2] * 1e6:11.1f}{ts[len(ts) * 9 // 10] * 1e6:8.1f}"
                   f"{ts[-1] * 1e6:8.0f}")
     if prof:
-        pstats.Stats(prof).sort_stats(os.environ.get("PROF_SORT", "tottime")).print_stats(int(os.environ.get("PROF_N", "20")))
+        pstats.Stats(prof).sort_stats(args.sort).print_stats(20)
     return 1 if wrong else 0
 
 

@@ -25,7 +25,8 @@ the step's loads go to the engine as one op and its stores as another
 (engine.prefetch / engine.backup: one wake-up per worker and bulk drains per
 step, not per job). get_finished_jobs polls the engine lazily
 (engine.poll(lazy=True): counter loads, and a bulk drain once an op may be
-done; decision 88) and answers for the jobs of every op that is done, together: a row is never reported while the engine still holds it. lookup
+done; decision 88) and answers for the jobs of every op that is done,
+together: a row is never reported while the engine still holds it. lookup
 answers from the engine's in-memory index (vllm_lookup). Only drain_jobs and
 shutdown wait, as vLLM's contract says.
 
