@@ -306,9 +306,11 @@ def main(argv=None) -> dict:
         "mp_over_raw_ceiling": head["mp_idle"]["gbps"] / head["raw"]["gbps"],
         "mp_busy_over_raw_ceiling": head["mp_busy"]["gbps"] / head["raw"]["gbps"],
         "loop_rate_during_mp_over_idle": head["mp_busy"]["loop_rate"] / head["loop_rate_idle"],
-        "file_busy_over_idle": out["file_busy"]["gbps"] / out["file_idle"]["gbps"],
-        "mp_busy_over_file_busy": head["mp_busy"]["gbps"] / out["file_busy"]["gbps"],
-        "mp_busy_over_fast_file_busy": {r: head["mp_busy"]["gbps"] / f["busy"]["gbps"]
+        "file_busy_over_idle": _ratio(out["file_busy"]["gbps"], out["file_idle"]["gbps"]),
+        # A starved baseline may move nothing within its cap (seen on the H200
+        # box under a CPU quota): its ratio is then unbounded, reported as None.
+        "mp_busy_over_file_busy": _ratio(head["mp_busy"]["gbps"], out["file_busy"]["gbps"]),
+        "mp_busy_over_fast_file_busy": {r: _ratio(head["mp_busy"]["gbps"], f["busy"]["gbps"])
                                         for r, f in out["fast_file"].items()},
         "poll_median_us": head["poll"]["median_us"],
     }
@@ -318,6 +320,17 @@ def main(argv=None) -> dict:
             json.dump(out, f, indent=2, default=str)
         log(f"wrote {args.json}")
     return out
+
+
+def _ratio(num: float, den: float):
+    """num / den, or None where the denominator moved nothing."""
+    return num / den if den else None
+
+
+def _shown(ratio, width: int, digits: int, cap_s: float) -> str:
+    if ratio is None:
+        return f"{'n/a':>{width}}   (the baseline moved no page in its {cap_s:g} s cap)"
+    return f"{ratio:>{width}.{digits}f}"
 
 
 def print_report(out, args) -> None:
@@ -346,10 +359,12 @@ def print_report(out, args) -> None:
     print(f"mp idle / raw preadv ceiling            {r['mp_over_raw_ceiling']:>8.2f}   >= 0.90")
     print(f"loop rate during mp / idle loop rate    {r['loop_rate_during_mp_over_idle']:>8.2f}   >= 0.95")
     print(f"poll() median, 24 ops in flight (µs)    {r['poll_median_us']:>8.1f}   <= 50")
-    print(f"file busy / file idle GB/s              {r['file_busy_over_idle']:>8.3f}   (the pathology)")
-    print(f"mp busy / file busy GB/s                {r['mp_busy_over_file_busy']:>8.1f}")
+    cap = args.file_cap_s
+    print(f"file busy / file idle GB/s              {_shown(r['file_busy_over_idle'], 8, 3, cap)}"
+          "   (the pathology)")
+    print(f"mp busy / file busy GB/s                {_shown(r['mp_busy_over_file_busy'], 8, 1, cap)}")
     for n, ratio in r["mp_busy_over_fast_file_busy"].items():
-        print(f"mp busy / fast_file busy GB/s ({n} rd)   {ratio:>8.1f}")
+        print(f"mp busy / fast_file busy GB/s ({n} rd)   {_shown(ratio, 8, 1, cap)}")
 
 
 if __name__ == "__main__":
