@@ -1,0 +1,302 @@
+"""What CPU this process may keep busy: its affinity mask and its cgroup's quota.
+
+Owns reading them: the affinity mask (`sched_getaffinity`), the CPU quota of
+the process's cgroup and of every ancestor up to the mount (cgroup v2
+`cpu.max`; cgroup v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`, found through
+/proc/self/cgroup and /proc/self/mountinfo), the host's physical cores, the
+operator's override (HICACHE_MP_NODE_CORES), and the throttle counters of
+the cgroup whose quota binds (`cpu.stat`: `ThrottleWatch`). Every path is
+read under a `root` prefix, so a test can lay a cgroup tree in a directory.
+Must not write any cgroup file, start processes or decide worker counts
+(hicache_mp.nodebudget does, from `CpuBudget.cpus`).
+
+The rule (decision 89): CPUs = min(physical cores, affinity, floor(quota)),
+at least 1. Go 1.25's runtime and the JVM take min(affinity, ceil(quota));
+Rust's `available_parallelism` floors the quota. Our workers are CPU-bound
+copy loops, so a rounded-up CPU is one the cgroup does not have: the whole
+cgroup is throttled, and the scheduler with it. Unlike Go 1.25 (which reads
+only the leaf cgroup) the tightest quota of the leaf and its ancestors
+binds, since the kernel enforces each of them.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger("hicache_mp")
+
+NODE_CORES_ENV = "HICACHE_MP_NODE_CORES"
+
+
+@dataclass(frozen=True)
+class Quota:
+    """The tightest CPU quota over a cgroup and its ancestors."""
+    cpus: float            # quota / period
+    version: int           # 1 or 2
+    directory: str         # the cgroup directory whose limit binds (its cpu.stat counts the throttling)
+    text: str              # the limit as written there, for the log
+
+    def describe(self) -> str:
+        name = "cpu.max" if self.version == 2 else "cpu.cfs_quota_us/cpu.cfs_period_us"
+        return f"cgroup v{self.version} {name} {self.text} at {self.directory}"
+
+
+@dataclass(frozen=True)
+class CpuBudget:
+    """What one process may keep busy, and where that figure came from."""
+    cpus: int                   # whole CPUs: min(cores, affinity, floor(quota)), >= 1
+    source: str                 # human words, for logs, warnings and metrics()
+    host_cores: int             # physical cores of the machine
+    affinity: int               # CPUs in the affinity mask
+    quota: Quota | None         # the binding quota, or None
+    override: bool = False      # HICACHE_MP_NODE_CORES gave `cpus`
+
+    @property
+    def scope(self) -> str:
+        """Which engines share this budget: those under one quota, or with one
+        affinity mask, or the whole host. Engines of two pods with quotas of their
+        own count against each other only for the host's cores (hicache_mp.nodebudget)."""
+        if self.quota is not None:
+            st = _stat(self.quota.directory)
+            return f"cg{self.quota.version}:{st[0]}:{st[1]}" if st else f"cg:{self.quota.directory}"
+        if self.affinity < _online_cpus():
+            return "cpus:" + ",".join(map(str, sorted(_affinity())))
+        return "host"
+
+    def as_dict(self) -> dict:
+        return {"cpus": self.cpus, "source": self.source, "host_cores": self.host_cores,
+                "affinity": self.affinity,
+                "quota_cpus": None if self.quota is None else round(self.quota.cpus, 3)}
+
+
+def _stat(path: str):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _affinity() -> set:
+    try:
+        return os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
+
+
+def _online_cpus() -> int:
+    return os.cpu_count() or 1
+
+
+def physical_cores() -> int:
+    import psutil
+    return psutil.cpu_count(logical=False) or psutil.cpu_count() or 2
+
+
+def read_budget(root: str = "/", *, affinity: int | None = None,
+                host_cores: int | None = None, environ=None) -> CpuBudget:
+    """This process's budget (`root`, `affinity` and `host_cores` are for tests:
+    a cgroup tree laid in a directory, a mask, a machine's size)."""
+    environ = os.environ if environ is None else environ
+    given = environ.get(NODE_CORES_ENV)
+    host = host_cores or physical_cores()
+    aff = affinity if affinity is not None else len(_affinity())
+    quota = read_quota(root)
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise ValueError(f"{NODE_CORES_ENV}={given!r}: a core count (>= 1) is needed")
+        return CpuBudget(int(given), f"{NODE_CORES_ENV}={given}", host, aff, quota, override=True)
+    cpus, source = host, f"{host} physical cores"
+    if aff < cpus:
+        cpus, source = aff, f"affinity: {aff} of {_online_cpus()} CPUs"
+    if quota is not None and math.floor(quota.cpus) < cpus:
+        cpus, source = max(1, math.floor(quota.cpus)), quota.describe()
+        if quota.cpus < 1:
+            source += " (below one CPU: counted as one)"
+    return CpuBudget(max(1, cpus), source, host, aff, quota)
+
+
+# --- cgroups ------------------------------------------------------------------------
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _mounts(root: str) -> list[tuple[str, str, str, str]]:
+    """(mount point, mount root, fstype, super options) of every cgroup mount."""
+    text = _read(os.path.join(root, "proc/self/mountinfo")) or ""
+    out = []
+    for line in text.splitlines():
+        pre, sep, post = line.partition(" - ")
+        fields, tail = pre.split(), post.split()
+        if not sep or len(fields) < 5 or len(tail) < 3 or tail[0] not in ("cgroup", "cgroup2"):
+            continue
+        out.append((_unescape(fields[4]), _unescape(fields[3]), tail[0], tail[2]))
+    return out
+
+
+def _unescape(field: str) -> str:
+    # mountinfo writes space, tab, newline and backslash as octal escapes
+    for code, ch in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, ch)
+    return field
+
+
+def _cgroup_paths(root: str) -> dict:
+    """{controller or '' (v2): path} from /proc/self/cgroup."""
+    out = {}
+    for line in (_read(os.path.join(root, "proc/self/cgroup")) or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if not controllers:
+            out[""] = path
+        for c in controllers.split(","):
+            if c:
+                out[c] = path
+    return out
+
+
+def _cgroup_dirs(root: str):
+    """(version, leaf directory, mount point) for each hierarchy with the CPU controller."""
+    paths = _cgroup_paths(root)
+    for mount_point, mount_root, fstype, opts in _mounts(root):
+        if fstype == "cgroup2":
+            path = paths.get("")
+        elif "cpu" in opts.split(","):
+            path = paths.get("cpu")
+        else:
+            continue
+        if path is None:
+            continue
+        # The mount shows the hierarchy from mount_root down: a container sees
+        # its own cgroup as the mount's top, and /proc/self/cgroup may say "/" (a
+        # cgroup namespace) or the full host path.
+        rel = os.path.relpath(path, mount_root) if path.startswith(mount_root) else "."
+        if rel.startswith(".."):
+            rel = "."
+        leaf = os.path.normpath(os.path.join(root, mount_point.lstrip("/"), rel))
+        yield (2 if fstype == "cgroup2" else 1), leaf, os.path.normpath(
+            os.path.join(root, mount_point.lstrip("/")))
+
+
+def _limit(version: int, directory: str) -> tuple[float, str] | None:
+    """(CPUs, as written) of one cgroup's own limit, or None (no limit, no file)."""
+    if version == 2:
+        text = _read(os.path.join(directory, "cpu.max"))
+        if not text:
+            return None
+        words = text.split()
+        if not words or words[0] == "max":
+            return None
+        try:
+            quota, period = int(words[0]), int(words[1]) if len(words) > 1 else 100000
+        except ValueError:
+            return None
+        return (quota / period, f"{quota} {period}") if quota > 0 and period > 0 else None
+    q = _read(os.path.join(directory, "cpu.cfs_quota_us"))
+    p = _read(os.path.join(directory, "cpu.cfs_period_us"))
+    try:
+        quota, period = int(q), int(p)
+    except (TypeError, ValueError):
+        return None
+    return (quota / period, f"{quota}/{period}") if quota > 0 and period > 0 else None
+
+
+def read_quota(root: str = "/") -> Quota | None:
+    """The tightest quota over this process's cgroup and its ancestors, in every
+    hierarchy that has the CPU controller; None where there is none."""
+    best = None
+    for version, leaf, top in _cgroup_dirs(root):
+        d = leaf
+        while True:
+            got = _limit(version, d)
+            if got and (best is None or got[0] < best.cpus):
+                best = Quota(got[0], version, d, got[1])
+            if d == top or len(d) <= len(top):
+                break
+            d = os.path.dirname(d)
+    return best
+
+
+def read_throttle(directory: str) -> dict | None:
+    """{periods, throttled, throttled_ms} from a cgroup's cpu.stat (v1 or v2), or None."""
+    text = _read(os.path.join(directory, "cpu.stat"))
+    if text is None:
+        return None
+    kv = {}
+    for line in text.splitlines():
+        words = line.split()
+        if len(words) == 2 and words[1].lstrip("-").isdigit():
+            kv[words[0]] = int(words[1])
+    if "throttled_usec" in kv:
+        ms = kv["throttled_usec"] / 1e3
+    elif "throttled_time" in kv:   # v1: nanoseconds
+        ms = kv["throttled_time"] / 1e6
+    else:
+        ms = 0.0
+    return {"periods": kv.get("nr_periods", 0), "throttled": kv.get("nr_throttled", 0),
+            "throttled_ms": ms}
+
+
+class ThrottleWatch:
+    """The binding cgroup's throttle counters since the engine started, read at
+    most once per `interval_s` from the engine's poll; one warning that names
+    the fix the first time a window shows the cgroup throttled.
+
+    A throttled cgroup stops every thread in it, the scheduler's with the
+    workers: on the H200 box, 14 workers in a 4-CPU quota stalled a busy
+    scheduler loop 57-74 ms ten times a second (decision 89)."""
+
+    # A window warns when at least this share of its periods were throttled:
+    # one throttled period in a hundred is a stall of up to a period (100 ms by
+    # default) every ten seconds, which a serving scheduler notices.
+    WARN_SHARE = 0.01
+
+    def __init__(self, budget: CpuBudget, workers: int, *, interval_s: float = 1.0):
+        self.budget = budget
+        self.workers = workers
+        self.interval_s = interval_s
+        self.directory = budget.quota.directory if budget.quota is not None else None
+        self.start = read_throttle(self.directory) if self.directory else None
+        self.last = self.start
+        self.last_at = time.monotonic()
+        self.warned = False
+
+    def maybe_check(self) -> None:
+        if self.start is None or time.monotonic() - self.last_at < self.interval_s:
+            return
+        self.last_at = time.monotonic()
+        now = read_throttle(self.directory)
+        if now is None:
+            return
+        periods = now["periods"] - self.last["periods"]
+        throttled = now["throttled"] - self.last["throttled"]
+        ms = now["throttled_ms"] - self.last["throttled_ms"]
+        self.last = now
+        if not self.warned and periods > 0 and throttled >= max(1, self.WARN_SHARE * periods):
+            self.warned = True
+            log.warning(
+                "hicache_mp: this process's cgroup was CPU-throttled in %d of %d periods "
+                "(%.0f ms stopped) while %d I/O workers ran: a throttled cgroup stops the "
+                "scheduler too. Its CPU budget is %d (%s): use --hicache-mp-workers 0 (auto) "
+                "or fewer workers, or raise the container's CPU limit", throttled, periods, ms,
+                self.workers, self.budget.cpus, self.budget.source)
+
+    def metrics(self) -> dict:
+        """Counters since the engine started (zeros and no cgroup where no quota binds)."""
+        out = {"cgroup": self.directory, "periods": 0, "throttled": 0, "throttled_ms": 0.0}
+        if self.start is None:
+            return out
+        now = read_throttle(self.directory) or self.start
+        out.update(periods=now["periods"] - self.start["periods"],
+                   throttled=now["throttled"] - self.start["throttled"],
+                   throttled_ms=round(now["throttled_ms"] - self.start["throttled_ms"], 3))
+        return out
