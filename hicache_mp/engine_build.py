@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from shm import PageGeometry, WakeSemaphore, clean_stale, new_owner_tag
 from shm.hostpool import HostPool
+from shm.owner import OwnerLock
 from shm.partpool import Part, PartPool
 from shm.ring import ring_bytes
 from shm.segment import check_room
@@ -118,6 +119,9 @@ def build(config: EngineConfig, geometry: PageGeometry, roots, *, pool_fd: int |
 def _build(res: Resources, config: EngineConfig, geometry: PageGeometry, pool_fd, parts,
            workers: int, ring_capacity: int) -> None:
     segments = res.segments
+    # First made, last released (segments close in reverse): this engine's
+    # segments are never without the lock that says it lives (decision 90).
+    segments.append(OwnerLock(res.tag))
     own_fd = None
     if pool_fd is not None:
         own_fd = _OwnedFd(os.dup(pool_fd))

@@ -1,0 +1,149 @@
+"""Containers, reproduced: a private /dev/shm, a new PID namespace, another uid.
+
+Each case runs a scenario (a function below) in a child process inside its
+own mount namespace (`unshare -m`) with a small tmpfs mounted on /dev/shm, as
+a pod's emptyDir or Docker's 64 MiB default is. The machine's /dev/shm is
+never touched, and the tmpfs goes with the namespace. A scenario starts
+engines in further children: as pid 1 of a new PID namespace (`unshare -p -f
+--mount-proc`, as a container's entrypoint is), or as uid 1000 (`setpriv`).
+Every child runs this file (`python containerkit.py ROLE JSON`) and prints
+one `RESULT <json>` line. Torch-free but for the SGLang scenario.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PATH = os.pathsep.join([ROOT, HERE, os.path.join(HERE, "faults"), os.path.join(HERE, "integrations")])
+MID = dict(num_layers=4, num_kv_heads=4, head_dim=64, page_size=16)  # 64 KiB pages
+USER = 1000
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": PATH, "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def _result(proc_stdout: str, stderr: str, rc) -> dict:
+    for line in proc_stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise AssertionError(f"child failed (rc {rc}):\n{stderr[-4000:]}")
+
+
+# --- the test's side ------------------------------------------------------------
+def require_namespaces() -> None:
+    """Skip, with the reason, where a private /dev/shm cannot be made."""
+    import pytest
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare(1) for a private /dev/shm and PID namespace")
+    probe = subprocess.run(["unshare", "-m", "sh", "-c",
+                            "mount -t tmpfs -o size=64k tmpfs /dev/shm && "
+                            "unshare -p -f --mount-proc true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare is not permitted here: {probe.stderr.decode()[-200:]}")
+
+
+def in_private_shm(size: str, scenario: str, args: dict, timeout_s: float = 120) -> dict:
+    """Run `scenario` in a mount namespace whose /dev/shm is a fresh tmpfs of `size`."""
+    cmd = f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$0" "$1" "$2" "$3"'
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", cmd, sys.executable, __file__, scenario,
+                           json.dumps(args)], capture_output=True, text=True, env=_env(),
+                          timeout=timeout_s)
+    return _result(proc.stdout, proc.stderr, proc.returncode)
+
+
+# --- inside the namespace -----------------------------------------------------
+def _child(prefix: list, role: str, args: dict) -> subprocess.Popen:
+    return subprocess.Popen([*prefix, sys.executable, __file__, role, json.dumps(args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+
+
+def _run(prefix: list, role: str, args: dict, timeout_s: float = 60) -> dict:
+    p = _child(prefix, role, args)
+    out, err = p.communicate(timeout=timeout_s)
+    return _result(out, err, p.returncode)
+
+
+def _ready(p: subprocess.Popen) -> dict:
+    """The READY line of a child that stays up, or its failure."""
+    line = p.stdout.readline()
+    if not line.startswith("READY "):
+        p.kill()
+        out, err = p.communicate()
+        raise AssertionError(f"child did not start (rc {p.returncode}): {line}{out}\n{err[-4000:]}")
+    return json.loads(line[len("READY "):])
+
+
+def left_in_shm() -> list:
+    """What is left in /dev/shm, the node registry's entries included."""
+    out = []
+    for d, dirs, files in os.walk("/dev/shm"):
+        out += [os.path.relpath(os.path.join(d, x), "/dev/shm") for x in files + dirs]
+    return sorted(out)
+
+
+def _kill_tree(p: subprocess.Popen) -> None:
+    """SIGKILL `p`'s children (an engine under `unshare -f`, or its workers), then p."""
+    import psutil
+    for c in psutil.Process(p.pid).children(recursive=True):
+        try:
+            c.kill()
+        except psutil.Error:
+            pass
+    p.kill()
+    p.wait()
+
+
+def restarts(args: dict) -> dict:
+    """A container restarted `times` times over the same /dev/shm: each engine is
+    pid 1 of a new PID namespace and is SIGKILLed (its workers die with the
+    namespace); a last one starts and closes."""
+    ns = ["unshare", "-p", "-f", "--mount-proc"]
+    runs = []
+    for i in range(args["times"] + 1):
+        last = i == args["times"]
+        p = _child(ns, "engine", {**args, "workers": args["workers"][i % len(args["workers"])],
+                                  "write": f"k{i}", "read": f"k{i - 1}" if i else None,
+                                  "stay": not last})
+        got = _ready(p)
+        if not last:
+            import psutil
+            engine = psutil.Process(p.pid).children()[0]  # pid 1 inside, this pid outside
+            os.kill(engine.pid, signal.SIGKILL)  # as the kubelet stops a container
+            p.wait(30)
+        else:
+            p.communicate(timeout=60)
+        runs.append(got)
+    return {"runs": runs, "left": left_in_shm()}
+
+
+def engine(args: dict) -> None:
+    """One engine: checks the page the previous run wrote (bytes), backs up its
+    own; READY; then waits to be killed (`stay`) or closes."""
+    from faultkit import backup, content, get, make, prefetch
+    e = make(args["store"], geo=args.get("geo", MID), pages=args["pages"], workers=args["workers"])
+    info = {"pid": os.getpid(), "stale_removed": len(e.stale_removed),
+            "workers": e.worker_count()}
+    if args.get("read"):
+        op = prefetch(e, [args["read"]], [1])
+        info["read_ok"] = bool(op.ok_pages == 1 and get(e, 1) == content(args["read"], e.geometry.page_bytes))
+    op = backup(e, [args["write"]], [0])
+    info["wrote"] = op.status
+    print("READY " + json.dumps(info), flush=True)
+    if args.get("stay"):
+        time.sleep(3600)
+    e.close()
+    print("RESULT " + json.dumps(info), flush=True)
+
+
+if __name__ == "__main__":
+    sys.path[:0] = PATH.split(os.pathsep)
+    role, given = sys.argv[1], json.loads(sys.argv[2])
+    got = globals()[role](given)
+    if got is not None:
+        print("RESULT " + json.dumps(got), flush=True)
