@@ -23,7 +23,7 @@ from shm.hostpool import HostPool
 from shm.owner import OwnerLock
 from shm.partpool import Part, PartPool
 from shm.ring import ring_bytes
-from shm.segment import check_room
+from shm.segment import SHM_SIZE_FIX, ShmFullError, shm_free_bytes, shm_total_bytes
 from workers import directio, pagefile
 from workers.control import CONTROL_BYTES, MAX_BYTES, MIN_FREE, Control
 from workers.evictor import EVICT_RING_CAPACITY, EvictorProcess, headroom_bytes
@@ -54,13 +54,46 @@ class Resources:
     segments: list = field(default_factory=list)
 
 
-def shm_bytes(pool_bytes: int, workers: int, ring_capacity: int, evictor: bool) -> int:
-    """/dev/shm bytes an engine allocates: pool, control block, every worker's two
-    submit rings and completion ring (twice as long), the evict ring, and a
-    page per semaphore (tmpfs rounds each file up to one)."""
+def shm_parts(pool_bytes: int, workers: int, ring_capacity: int, evictor: bool) -> list:
+    """/dev/shm bytes an engine allocates, as (key, label, bytes) in the order
+    they are made: pool, control block (with the completion semaphore and the
+    evictor's ring), every worker's two submit rings and completion ring
+    (twice as long); a page per semaphore (tmpfs rounds each file up to one)."""
     per_worker = 2 * ring_bytes(ring_capacity) + ring_bytes(2 * ring_capacity) + 4096
     extra = ring_bytes(EVICT_RING_CAPACITY) + 4096 if evictor else 0
-    return pool_bytes + CONTROL_BYTES + workers * per_worker + extra + 4096
+    parts = [("pool", "host pool", pool_bytes)] if pool_bytes else []
+    return parts + [("control", "control block", CONTROL_BYTES + extra + 4096),
+                    ("rings", f"rings of {workers} worker{'s' if workers > 1 else ''}",
+                     workers * per_worker)]
+
+
+def shm_bytes(pool_bytes: int, workers: int, ring_capacity: int, evictor: bool) -> int:
+    """/dev/shm bytes an engine allocates (shm_parts, added up)."""
+    return sum(n for _, _, n in shm_parts(pool_bytes, workers, ring_capacity, evictor))
+
+
+def _room_error(config: EngineConfig, geometry: PageGeometry, workers: int,
+                ring_capacity: int, shared_pool: bool, *, after: str = "") -> ShmFullError | None:
+    """The error of a /dev/shm too small for this engine (None if it fits): the
+    parts, the one that does not fit, and the fixes for those that do not.
+    `after`: a segment whose allocation failed although the check had passed."""
+    pool = 0 if shared_pool else geometry.pool_bytes(config.host_pool_pages)
+    parts = shm_parts(pool, workers, ring_capacity, config.capacity_limited)
+    needed, free = sum(n for _, _, n in parts), shm_free_bytes()
+    if free is None or (needed <= free and not after):
+        return None
+    what = "this engine's shared memory" + (f" (allocating {after} failed)" if after else "")
+    err = ShmFullError(needed, free, parts=parts, what=what, total=shm_total_bytes())
+    fixes = [SHM_SIZE_FIX]
+    if "pool" in err.short or (after and pool):
+        fixes.append(f"lower host_pool_pages ({config.host_pool_pages} pages of "
+                     f"{geometry.page_bytes / 2**20:.2f} MiB now)")
+    if ("rings" in err.short and "pool" not in err.short) or after:
+        count = f"{workers} now" if config.num_workers else f"auto gave {workers}"
+        fixes.append(f"fewer workers (num_workers, --hicache-mp-workers: {count}) or a lower "
+                     f"ring_capacity ({ring_capacity} records per ring now)")
+    return err.with_fixes(fixes)
+
 
 
 def build(config: EngineConfig, geometry: PageGeometry, roots, *, pool_fd: int | None,
@@ -97,10 +130,9 @@ def build(config: EngineConfig, geometry: PageGeometry, roots, *, pool_fd: int |
     ring_capacity = config.resolved_ring_capacity(workers)
     # Everything this engine puts in /dev/shm, counted before any of it is made.
     try:
-        check_room(shm_bytes(0 if shared_pool else geometry.pool_bytes(config.host_pool_pages),
-                             workers, ring_capacity, config.capacity_limited),
-                   f"this engine's shared memory (host pool, control block, rings of "
-                   f"{workers} workers)")
+        short = _room_error(config, geometry, workers, ring_capacity, shared_pool)
+        if short is not None:
+            raise short
     except BaseException:
         if share is not None:
             share.close()
@@ -109,6 +141,11 @@ def build(config: EngineConfig, geometry: PageGeometry, roots, *, pool_fd: int |
         res.segments.append(share)
     try:
         _build(res, config, geometry, pool_fd, parts, workers, ring_capacity)
+    except ShmFullError as exc:  # /dev/shm filled by another process since the check
+        release(os.getpid(), res.pool, res.segments)
+        res.segments = []
+        raise _room_error(config, geometry, workers, ring_capacity, shared_pool,
+                          after=exc.what) from None
     except BaseException:
         release(os.getpid(), res.pool, res.segments)
         res.segments = []

@@ -29,6 +29,8 @@ import errno
 import fcntl
 import os
 import secrets
+import stat
+import time
 
 NODE_DIR = "/dev/shm/hicache_mp-node"
 # Cores kept per engine for the process it serves: the scheduler's loop, and
@@ -43,6 +45,15 @@ SCHEDULER_CORES = 2
 # node by default), and the core count (a container whose CPU quota is below
 # the host's core count should say what it has).
 NODE_DIR_ENV = "HICACHE_MP_NODE_DIR"
+# The registry is shared by every user's engines: the directory is
+# world-writable with the sticky bit, as /dev/shm and /tmp are (anyone adds an
+# entry, only its owner removes it), and each entry is readable by all, since
+# an engine flocks the others' entries through a read-only descriptor.
+DIR_MODE = 0o1777
+ENTRY_MODE = 0o644
+# How long an engine waits for the directory's maker (another user's engine)
+# to give it DIR_MODE: mkdir applies the umask, so it is made, then chmod'ed.
+DIR_MODE_WAIT_S = 1.0
 NODE_CORES_ENV = "HICACHE_MP_NODE_CORES"
 
 
@@ -66,6 +77,8 @@ def _held(path: str) -> bool:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return False
+    except PermissionError:
+        return True  # another user's, made unreadable (an older engine's umask): cannot tell
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -110,8 +123,8 @@ def live_shares(node_dir: str, *, prune: bool = True) -> dict[str, int]:
         elif prune:
             try:
                 os.unlink(path)
-            except FileNotFoundError:
-                pass
+            except (FileNotFoundError, PermissionError):
+                pass  # gone, or another user's (the sticky bit): it counts for nothing anyway
     return out
 
 
@@ -133,7 +146,7 @@ class NodeBudget:
         self._fd = -1
         cores = cores or physical_cores()
         for _ in range(20):  # the directory may vanish between makedirs and open
-            os.makedirs(where, exist_ok=True)
+            _make_shared_dir(where)
             try:
                 dfd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
             except FileNotFoundError:
@@ -161,7 +174,8 @@ class NodeBudget:
 
     def _register(self, aux: bool) -> None:
         path = os.path.join(self.node_dir, f"{os.getpid()}.{secrets.token_hex(4)}")
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, ENTRY_MODE)
+        os.fchmod(fd, ENTRY_MODE)  # whatever the umask: every user's engine reads and flocks it
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.write(fd, f"{self.workers}{' aux' if aux else ''}\n".encode())
         self.path, self._fd = path, fd
@@ -172,14 +186,14 @@ class NodeBudget:
         fd, self._fd = self._fd, -1
         try:
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        except OSError:
+            pass  # gone already; never an error from close
         os.close(fd)
         # Under the directory's lock, so no engine is between its look and its
         # registration; rmdir fails while any other engine is registered.
         try:
             dfd = os.open(self.node_dir, os.O_RDONLY | os.O_DIRECTORY)
-        except FileNotFoundError:
+        except OSError:
             return
         try:
             fcntl.flock(dfd, fcntl.LOCK_EX)
@@ -189,6 +203,34 @@ class NodeBudget:
             pass
         finally:
             os.close(dfd)
+
+
+def _make_shared_dir(where: str) -> None:
+    """The registry directory, made (or found) with DIR_MODE. One made by
+    another user without write permission for us (an older hicache_mp made it
+    0755) is a PermissionError that says what to do."""
+    os.makedirs(where, exist_ok=True)
+    deadline = time.monotonic() + DIR_MODE_WAIT_S
+    while True:
+        try:
+            st = os.stat(where)
+        except FileNotFoundError:
+            return  # removed by its last engine meanwhile: the caller's loop makes it again
+        if stat.S_IMODE(st.st_mode) == DIR_MODE:
+            return
+        if st.st_uid == os.geteuid():
+            os.chmod(where, DIR_MODE)
+            return
+        if os.access(where, os.W_OK | os.X_OK) and st.st_mode & stat.S_ISVTX:
+            return  # shared as well, by another rule: fine
+        if time.monotonic() > deadline:
+            raise PermissionError(
+                errno.EACCES, f"hicache_mp: the node registry {where} is mode "
+                f"{stat.S_IMODE(st.st_mode):o} and owned by uid {st.st_uid}, so this engine "
+                f"(uid {os.geteuid()}) cannot register its workers there (an older hicache_mp "
+                f"made it). Remove the directory once no engine runs, point {NODE_DIR_ENV} at "
+                f"a directory of your own, or give num_workers (--hicache-mp-workers) explicitly")
+        time.sleep(0.01)  # its maker is between mkdir and chmod
 
 
 def _same_dir(dfd: int, path: str) -> bool:

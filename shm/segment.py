@@ -23,8 +23,68 @@ from .names import SHM_DIR
 DEFAULT_MODE = 0o600
 
 
-class ShmFullError(OSError):
-    """/dev/shm has no room for what an engine needs (raised before any worker starts)."""
+# What makes a container's /dev/shm larger: every shortfall names it.
+SHM_SIZE_FIX = ("a larger /dev/shm: `docker run --shm-size=<size>` (Docker's default is 64 MiB), "
+                "or in Kubernetes an emptyDir volume with `medium: Memory` and "
+                "`sizeLimit: <size>` mounted at /dev/shm")
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+class ShmFullError(OSError, ValueError):
+    """/dev/shm has no room for what an engine needs: at the room check, before
+    anything is made, or when a segment's pages are allocated (ENOSPC).
+
+    Names the path, the bytes needed and free, each part (`parts`: (key,
+    label, bytes) in the order they are made: pool, control block, rings),
+    which of them do not fit (`short`: their keys) and `fixes`. A ValueError
+    too, as io.UnsupportedOperation is: a size that cannot work here, refused
+    as an absurd size is. A caller that knows better fixes (a framework's
+    settings) raises `with_fixes(...)` in its place."""
+
+    def __init__(self, needed: int, free: int | None, *, parts=(), fixes=(),
+                 what: str = "this engine's shared memory", total: int | None = None,
+                 path: str = SHM_DIR):
+        self.needed, self.free, self.total, self.path, self.what = needed, free, total, path, what
+        self.parts = tuple(parts)
+        self.fixes = tuple(fixes)
+        self.short = self._short()
+        super().__init__(errno.ENOSPC, self._message())
+
+    def with_fixes(self, fixes) -> "ShmFullError":
+        return ShmFullError(self.needed, self.free, parts=self.parts, fixes=fixes,
+                            what=self.what, total=self.total, path=self.path)
+
+    def _short(self) -> tuple:
+        """Keys of the parts that do not fit, made in order into what is free."""
+        if self.free is None:
+            return tuple(key for key, _, _ in self.parts)
+        used = 0
+        for i, (_, _, nbytes) in enumerate(self.parts):
+            used += nbytes
+            if used > self.free:
+                return tuple(key for key, _, _ in self.parts[i:])
+        return ()
+
+    def _message(self) -> str:
+        free = "?" if self.free is None else _mib(self.free)
+        of = "" if self.total is None else f" of {_mib(self.total)}"
+        msg = f"{self.what} does not fit in {self.path}: {_mib(self.needed)} needed"
+        if self.parts:
+            msg += " (" + ", ".join(f"{label} {_mib(n)}" for _, label, n in self.parts) + ")"
+        msg += f", {free} free{of}."
+        labels = {key: label for key, label, _ in self.parts}
+        if self.short and len(self.parts) > 1:
+            fit = [labels[k] for k, _, _ in self.parts if k not in self.short]
+            miss = [labels[k] for k in self.short]
+            lost = _mib(sum(n for k, _, n in self.parts if k in self.short))
+            msg += (f" The {miss[0]} alone does not fit." if not fit else
+                    f" The {' and '.join(fit)} fit; not the {' and '.join(miss)} ({lost}).")
+        if self.fixes:
+            msg += " Fixes: " + "; or ".join(self.fixes) + "."
+        return msg
 
 
 def shm_free_bytes() -> int | None:
@@ -36,14 +96,23 @@ def shm_free_bytes() -> int | None:
     return vfs.f_bavail * vfs.f_frsize
 
 
-def check_room(nbytes: int, what: str) -> None:
-    """ValueError if `nbytes` more cannot fit in /dev/shm now: a size that cannot
-    work here, refused before anything is created (as an absurd size is)."""
+def shm_total_bytes() -> int | None:
+    try:
+        vfs = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return vfs.f_blocks * vfs.f_frsize
+
+
+def check_room(parts, what: str, fixes=(SHM_SIZE_FIX,)) -> None:
+    """ShmFullError if `parts` ((key, label, bytes) each, or one byte count)
+    cannot fit in /dev/shm now: refused before anything is created."""
+    needed = parts if isinstance(parts, int) else sum(n for _, _, n in parts)
+    parts = () if isinstance(parts, int) else parts
     free = shm_free_bytes()
-    if free is not None and nbytes > free:
-        raise ValueError(f"{what} ({nbytes / 2**20:.1f} MiB) does not fit in {SHM_DIR} "
-                         f"({free / 2**20:.1f} MiB free): lower host_pool_pages or the page "
-                         f"size, or free {SHM_DIR}")
+    if free is not None and needed > free:
+        raise ShmFullError(needed, free, parts=parts, fixes=fixes, what=what,
+                           total=shm_total_bytes())
 
 
 class Segment:
@@ -131,8 +200,10 @@ def _allocate(fd: int, size: int, name: str) -> None:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-            raise ShmFullError(errno.ENOSPC, f"{SHM_DIR} has no room for {name} "
-                               f"({size / 2**20:.1f} MiB): free {SHM_DIR} or lower "
-                               f"host_pool_pages") from None
+            # The caller (the engine) knows the parts and the settings: it
+            # raises its own with_fixes-style error in place of this one.
+            raise ShmFullError(size, shm_free_bytes(), parts=[("segment", name, size)],
+                               fixes=(SHM_SIZE_FIX,), what=name,
+                               total=shm_total_bytes()) from None
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise

@@ -24,8 +24,12 @@ MID = dict(num_layers=4, num_kv_heads=4, head_dim=64, page_size=16)  # 64 KiB pa
 USER = 1000
 
 
+_SITE = []  # site-packages of a bind-mounted interpreter (_user_python)
+
+
 def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": PATH, "PYTHONDONTWRITEBYTECODE": "1"}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([PATH, *_SITE]),
+            "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def _result(proc_stdout: str, stderr: str, rc) -> dict:
@@ -59,7 +63,9 @@ def in_private_shm(size: str, scenario: str, args: dict, timeout_s: float = 120)
 
 # --- inside the namespace -----------------------------------------------------
 def _child(prefix: list, role: str, args: dict) -> subprocess.Popen:
-    return subprocess.Popen([*prefix, sys.executable, __file__, role, json.dumps(args)],
+    """`prefix` ends with an interpreter, or this one runs the child."""
+    python = [] if prefix and "python" in os.path.basename(prefix[-1]) else [sys.executable]
+    return subprocess.Popen([*prefix, *python, __file__, role, json.dumps(args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
 
 
@@ -122,6 +128,132 @@ def restarts(args: dict) -> dict:
     return {"runs": runs, "left": left_in_shm()}
 
 
+def users(args: dict) -> dict:
+    """uid USER's engines (explicit and auto workers) beside a running root
+    engine with auto workers, then after it and its workers were SIGKILLed
+    (its segments, lock and registry entry left behind, and an older
+    engine's leftovers with no lock file); a last root engine then cleans."""
+    as_user = ["setpriv", "--reuid", str(USER), "--regid", str(USER), "--clear-groups",
+               _user_python()]
+    out = {"beside": [], "after": []}
+    root = _child([], "engine", {"store": args["root_store"], "pages": 8, "workers": 0,
+                                 "write": "root", "stay": True})
+    out["root"] = _ready(root)
+    try:
+        for workers in (2, 0):
+            out["beside"].append(_run(as_user, "engine", {"store": args["user_store"], "pages": 8,
+                                                          "workers": workers, "write": f"b{workers}"}))
+    finally:
+        _kill_tree(root)
+    out["root_left"] = left_in_shm()
+    _older_engines_leftovers()
+    for workers in (2, 0):
+        out["after"].append(_run(as_user, "engine", {"store": args["user_store"], "pages": 8,
+                                                     "workers": workers, "write": f"a{workers}"}))
+    out["user_left"] = left_in_shm()
+    out["last"] = _run([], "engine", {"store": args["root_store"], "pages": 8, "workers": 0,
+                                      "write": "last"})
+    out["left"] = left_in_shm()
+    return out
+
+
+def _user_python() -> str:
+    """An interpreter uid USER can run with its packages: this one, or (when it
+    lives under a home USER may not enter, as /root/.pyenv) its installation
+    bind-mounted, in this mount namespace only, where USER can reach it."""
+    probe = ["setpriv", "--reuid", str(USER), "--regid", str(USER), "--clear-groups"]
+    code = "import numpy, posix_ipc, psutil"
+    if subprocess.run([*probe, sys.executable, "-c", code], capture_output=True).returncode == 0:
+        return sys.executable
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", "/mnt"], check=True)
+    os.mkdir("/mnt/python", 0o755)
+    subprocess.run(["mount", "--bind", "-o", "ro", sys.base_prefix, "/mnt/python"], check=True)
+    exe = os.path.join("/mnt/python", os.path.relpath(os.path.realpath(sys.executable),
+                                                       os.path.realpath(sys.base_prefix)))
+    # its site.py does not find site-packages under the new prefix: name it
+    import sysconfig
+    _SITE.append(os.path.join("/mnt/python", os.path.relpath(sysconfig.get_paths()["purelib"],
+                                                              sys.base_prefix)))
+    subprocess.run([*probe, exe, "-c", code], check=True, env=_env())
+    return exe
+
+
+def _older_engines_leftovers() -> None:
+    """A segment and a semaphore of a dead root owner with no lock file (an
+    engine before decision 90): only its pid says it is dead."""
+    import posix_ipc
+    from shm import Segment, new_owner_tag
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    tag = new_owner_tag(dead.pid)
+    Segment.create(tag + ".pool", 4096).map.close()
+    posix_ipc.Semaphore("/" + tag + ".done", posix_ipc.O_CREX, mode=0o600).close()
+
+
+def small_shm(args: dict) -> dict:
+    """Engines that cannot fit in this /dev/shm: the error, and what is left."""
+    from faultkit import make
+    out = []
+    for case in args["cases"]:
+        try:
+            make(args["store"], geo=MID, **case).close()
+            got = {"error": None}
+        except Exception as exc:
+            got = {"error": str(exc), "type": type(exc).__name__}
+        got["left"] = left_in_shm()
+        out.append(got)
+    return {"cases": out}
+
+
+def sglang_small_shm(args: dict) -> dict:
+    """SGLang's attach, on the staging path (SGLang's default allocator) and on
+    zero-copy (its shm allocator) with rings that do not fit."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+    from sglang_pool import CpuMHAHostPool
+    out = []
+    for allocator, extra, leave in args["cases"]:
+        pool = CpuMHAHostPool(layout="layer_first", allocator_type=allocator, pages=12)
+        if leave:
+            _fill_leaving(leave)
+        config = HiCacheStorageConfig(
+            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+            is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
+            model_name="m", extra_config={
+                "backend_name": "hicache_mp", "module_path": "hicache_mp.integrations.sglang",
+                "class_name": "HiCacheMP", "interface_v1": 1, "allocator": allocator,
+                "storage_dir": args["store"], **extra})
+        backend = None
+        try:
+            backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+            backend.register_mem_pool_host(pool)
+            got = {"error": None}
+        except Exception as exc:
+            got = {"error": str(exc), "type": type(exc).__name__}
+        finally:
+            if backend is not None:
+                backend.close()
+            pool.close()
+            if leave:
+                os.unlink(FILLER)
+        got["left"] = left_in_shm()
+        out.append(got)
+    return {"cases": out}
+
+
+FILLER = "/dev/shm/filler"
+
+
+def _fill_leaving(nbytes: int) -> None:
+    """A file in /dev/shm that leaves about `nbytes` free (another program's)."""
+    vfs = os.statvfs("/dev/shm")
+    fd = os.open(FILLER, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, vfs.f_bavail * vfs.f_frsize - nbytes)
+    finally:
+        os.close(fd)
+
+
 def engine(args: dict) -> None:
     """One engine: checks the page the previous run wrote (bytes), backs up its
     own; READY; then waits to be killed (`stay`) or closes."""
@@ -134,6 +266,8 @@ def engine(args: dict) -> None:
         info["read_ok"] = bool(op.ok_pages == 1 and get(e, 1) == content(args["read"], e.geometry.page_bytes))
     op = backup(e, [args["write"]], [0])
     info["wrote"] = op.status
+    op = prefetch(e, [args["write"]], [2])  # and back, into another slot
+    info["own_ok"] = bool(op.ok_pages == 1 and get(e, 2) == content(args["write"], e.geometry.page_bytes))
     print("READY " + json.dumps(info), flush=True)
     if args.get("stay"):
         time.sleep(3600)

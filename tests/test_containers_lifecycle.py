@@ -23,3 +23,42 @@ def test_ten_restarts_as_pid_1_over_one_dev_shm_each_start_and_leave_nothing(sto
     assert all(r["read_ok"] for r in runs[1:]), runs
     assert all(r["wrote"] == "ok" for r in runs), runs
     assert got["left"] == [], got["left"]
+
+
+def _user_dirs(tmp_path):
+    """A store for root and one uid 1000 may make (pytest's tmp dirs are 0700)."""
+    import os
+    import tempfile
+    parent = tempfile.mkdtemp(prefix="hicache-users-")
+    os.chmod(parent, 0o755)
+    user = os.path.join(parent, "user")
+    os.mkdir(user)
+    os.chown(user, containerkit.USER, containerkit.USER)
+    return parent, os.path.join(user, "store")
+
+
+def test_a_non_root_engine_starts_beside_and_after_root_engines(store, tmp_path):
+    """uid 1000 could not register in root's 0755 node registry beside a live
+    root engine, and after root's engine was killed its clean-up died of
+    posix_ipc.PermissionsError (no PermissionError) on root's leftovers. Now
+    every start works, with explicit and automatic workers, bytes checked;
+    root's leftovers that uid 1000 may not remove stay for root's next engine."""
+    import shutil
+    containerkit.require_namespaces()
+    parent, user_store = _user_dirs(tmp_path)
+    try:
+        got = containerkit.in_private_shm("256m", "users", {"root_store": store,
+                                                            "user_store": user_store})
+    finally:
+        shutil.rmtree(parent)
+    for run in got["beside"] + got["after"]:
+        assert run["wrote"] == "ok" and run["own_ok"], run
+    assert [r["workers"] >= 1 for r in got["beside"]] == [True, True]
+    assert got["after"][0]["workers"] == 2
+    # root's killed engine left its segments and lock, and uid 1000 left them alone
+    assert any(n.endswith(".lock") for n in got["root_left"]), got["root_left"]
+    assert set(got["root_left"]) - {"hicache_mp-node"} <= set(got["user_left"]) | {
+        n for n in got["root_left"] if n.startswith("hicache_mp-node/")}, got
+    # root's next engine removes everything: its predecessor's, the older one's
+    assert got["last"]["stale_removed"] >= 8 and got["last"]["own_ok"], got["last"]
+    assert got["left"] == [], got["left"]

@@ -41,6 +41,7 @@ except ImportError as _exc:  # pragma: no cover - exercised only without SGLang
 import torch
 
 from shm import PageGeometry, gilkeep
+from shm.segment import SHM_SIZE_FIX, ShmFullError
 from workers.stores import open_store
 
 from ...config import EngineConfig
@@ -60,6 +61,24 @@ log = logging.getLogger("hicache_mp.sglang")
 STORAGE_METRICS_MODULES = ("sglang.srt.observability.metrics_collector",
                            "sglang.srt.metrics.collector")
 COUNTERS = ("staging_copies", "staging_copy_bytes", "get_calls", "set_calls")
+
+
+def shm_fixes(exc: ShmFullError, config: EngineConfig, *, staged: bool, why: str) -> list:
+    """What an SGLang user can change when /dev/shm is too small for the engine:
+    zero-copy puts nothing of the pool there (SGLang's shm allocator keeps its
+    host pool in a memfd, outside /dev/shm's limit); the staging path's pool is
+    `staging_pages`; the rings are the workers'."""
+    fixes = [SHM_SIZE_FIX]
+    if staged and "pool" in exc.short:
+        fixes.append(f'SGLang\'s shm allocator, zero-copy ("allocator": "shm" in '
+                     f'--hicache-storage-backend-extra-config; this engine stages because '
+                     f'{why}), so that no pool of the engine\'s is in /dev/shm')
+        fixes.append(f'a lower "staging_pages" in --hicache-storage-backend-extra-config '
+                     f'({config.host_pool_pages} now)')
+    if "rings" in exc.short and "pool" not in exc.short:
+        fixes.append(f'fewer workers: "num_workers" in --hicache-storage-backend-extra-config '
+                     f'({"auto" if not config.num_workers else config.num_workers} now)')
+    return fixes
 
 
 def storage_metrics(calls: dict):
@@ -147,8 +166,8 @@ class HiCacheMP(HiCacheStorage):
         if g is not None and not self.own.zero_copy:
             g, why = None, '"zero_copy": false in the extra-config'
         if g is not None:
-            self.engine = PrefetchEngine(self._config(int(mem_pool_host.page_num)), g,
-                                         pool_fd=mem_pool_host.fd)
+            self.engine = self._start(self._config(int(mem_pool_host.page_num)), g,
+                                      pool_fd=mem_pool_host.fd)
             self.zero_copy, self.geometry, self.fallback_reason = True, g, ""
             log.info("hicache_mp: zero-copy into SGLang's %s host pool (%d pages of %d bytes, "
                      "%d workers, store %s)", g.layout, mem_pool_host.page_num, g.page_bytes,
@@ -156,8 +175,8 @@ class HiCacheMP(HiCacheStorage):
             return
         self.fallback_reason = why
         self.geometry = pool_geometry(mem_pool_host, self.is_mla)
-        self._staging = self._new_staging(PrefetchEngine(self._config(self.own.staging_pages),
-                                                         self.geometry))
+        self._staging = self._new_staging(self._start(self._config(self.own.staging_pages),
+                                                      self.geometry, why=why))
         self.engine = self._staging.engine
         log.warning("hicache_mp: not zero-copy: %s; pages are staged through an engine-owned "
                     "shared-memory pool and copied (one extra copy per page). %s.",
@@ -193,6 +212,17 @@ class HiCacheMP(HiCacheStorage):
         return engine_config(self.extra, storage_dir=self.storage_dir, host_pool_pages=pages,
                              defaults={"node_engines": node_ranks(self.shard)},
                              **self.shard.engine_names())
+
+    def _start(self, config: EngineConfig, geometry: PageGeometry, *, pool_fd=None,
+               why: str = "") -> PrefetchEngine:
+        """The KV engine; a /dev/shm too small is an error naming SGLang's
+        settings (the engine's own, host_pool_pages, is not one of them). The
+        engine released what it made before the error came here."""
+        try:
+            return PrefetchEngine(config, geometry, pool_fd=pool_fd)
+        except ShmFullError as exc:
+            raise exc.with_fixes(shm_fixes(exc, config, staged=pool_fd is None,
+                                           why=why)) from None
 
     def _need_engine(self) -> PrefetchEngine:
         if self.engine is None:
