@@ -2,7 +2,8 @@
 
 Owns the answer to `exists` without syscalls: a set of key digests, filled by
 a scan of the store at start (and on `refresh()`), kept current by successful
-backups. A page a read found damaged is distrusted for DAMAGED_TTL_S: a
+backups. A page a read found damaged or could not read (unreadable: EACCES,
+EIO) is distrusted for DAMAGED_TTL_S: a
 probe or rescan finds its file again by name and size, and believing it
 would claim the prefix on every call and skip the backup that repairs it. The scan also removes temp files whose writer is gone
 (workers.tmpfiles says when that is known), so a crashed writer leaves

@@ -53,6 +53,8 @@ NAMES = {int(s): s.label for s in Status}
 
 # Statuses that mean "the file is not a usable page", counted as misses.
 READ_MISSES = (MISS, CORRUPT, FOREIGN, WRONG_KEY, UNREADABLE, UNVERIFIED)
-# Of those, a file that is there but damaged: the probe would find it again
-# by its name and size, so the index distrusts it (hicache_mp.index).
-READ_DAMAGED = (CORRUPT, FOREIGN, WRONG_KEY, UNVERIFIED)
+# Of those, a file that is there but cannot serve: damaged, or unreadable
+# (EACCES, EIO, a directory or a symlink in its place). The probe would find it
+# again by its name and size, so the index distrusts it (hicache_mp.index) and
+# the next backup writes it anew, as decision 81 says.
+READ_DAMAGED = (CORRUPT, FOREIGN, WRONG_KEY, UNREADABLE, UNVERIFIED)

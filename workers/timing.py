@@ -98,7 +98,8 @@ The store's side (wall-clock file times, shared with other hosts):
                               removal (polling every EVICT_REPORT_POLL_S, 5 ms)
     STOP_GRACE_S       2 s    a child asked to stop has this long before SIGKILL
     DAMAGED_TTL_S      60 s   a page file a read found damaged (right size, bad
-                              header, another key's, bad checksum) is not
+                              header, another key's, bad checksum) or could not
+                              read (EACCES, EIO) is not
                               believed found again by a probe or rescan for this
                               long, unless this process writes it anew: a
                               repair by another host is seen after it
