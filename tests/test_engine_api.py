@@ -1,5 +1,7 @@
 """Engine API: input checks, cancel, policies, metrics and lifecycle, as a caller sees them."""
+import contextlib
 import os
+import signal
 import stat
 import time
 
@@ -42,14 +44,41 @@ def test_bad_input_raises_before_reaching_a_worker(eng, keys, pages, match):
     assert m["ops_in_flight"] == 0 and sum(m["worker_pages"]) == 0  # nothing reached a worker
 
 
+@contextlib.contextmanager
+def stopped_worker(e):
+    """The engine's one worker SIGSTOPped (and seen stopped) for the block: an op
+    submitted inside stays in flight until the block ends, however fast the
+    store, so a check of "while in flight" never depends on a race. Far below
+    the stall timeout (30 s), so the engine does not judge the worker stuck."""
+    (pid,) = e.worker_pids()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 5
+        while not _stopped(pid):
+            assert time.monotonic() < deadline, "the worker never stopped"
+            time.sleep(0.001)
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in "Tt"
+
+
 def test_slots_of_an_op_in_flight_are_refused(store):
     with engine(store, pages=8, workers=1) as e:
         fill(e, range(4), random_pages(e.geometry, 4))
-        op = e.backup(["a", "b", "c", "d"], [0, 1, 2, 3])
-        if not op.done:
+        with stopped_worker(e):
+            op = e.backup(["a", "b", "c", "d"], [0, 1, 2, 3])
+            assert not op.done  # held by the stopped worker: the refusal below always runs
             with pytest.raises(ValueError, match="in flight"):
                 e.prefetch(["z"], [2])
-        assert e.wait(op, 30)
+            with pytest.raises(ValueError, match="in flight"):
+                e.backup(["z"], [3])
+            assert e.metrics()["ops_in_flight"] == 1  # the refused calls made no op
+        assert e.wait(op, 30) and op.status == "ok"
         assert e.wait(e.prefetch(["a"], [2]), 30)  # free again once done
 
 
@@ -69,14 +98,20 @@ def test_cancel_freezes_progress_and_frees_slots(store):
 
 
 def test_policies(store):
+    """Each policy's answer to "may the scheduler stop waiting?" while the op is
+    in flight (held there by a stopped worker) and once it is done."""
     with engine(store, pages=8, workers=1) as e:
-        best = e.prefetch(["nope"], [0], policy="best_effort")
-        waiting = e.prefetch(["nope"], [1], policy="wait_complete")
-        timed = e.prefetch(["nope"], [2], policy="timeout", timeout_s=0.0)
-        assert best.ready() and timed.ready()
-        assert waiting.ready() == waiting.done
-        e.wait(waiting, 30)
-        assert waiting.ready()
+        with stopped_worker(e):
+            best = e.prefetch(["nope"], [0], policy="best_effort")
+            waiting = e.prefetch(["nope"], [1], policy="wait_complete")
+            timed = e.prefetch(["nope"], [2], policy="timeout", timeout_s=0.0)
+            patient = e.prefetch(["nope"], [3], policy="timeout", timeout_s=60.0)
+            assert not any(op.done for op in (best, waiting, timed, patient))
+            assert best.ready() and timed.ready()  # at once / past its deadline
+            assert not waiting.ready() and not patient.ready()
+        for op in (best, waiting, timed, patient):
+            assert e.wait(op, 30)
+            assert op.ready() and op.status_counts() == {"miss": 1}
         with pytest.raises(ValueError):
             from hicache_mp import EngineConfig
             EngineConfig(storage_dir=store, prefetch_policy="sometimes")
