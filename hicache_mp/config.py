@@ -17,7 +17,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from workers.control import MAX_WORKERS
 from workers.store import normalize_dirs
 
-from .nodebudget import SCHEDULER_CORES
+from .cpubudget import read_budget
+from .nodebudget import scheduler_cores
 
 MAX_IO_DEPTH = 32  # lanes per worker: a bound against typos; depth 4 already never beat 2 (decision 19)
 
@@ -32,11 +33,12 @@ FALSE_WORDS = frozenset({"false", "0", "no", "off"})
 
 
 def auto_workers() -> int:
-    """Physical cores less what one engine keeps for its scheduler's process
-    (hicache_mp.nodebudget.SCHEDULER_CORES), at least one."""
-    import psutil
-    cores = psutil.cpu_count(logical=False) or psutil.cpu_count() or 2
-    return max(1, cores - SCHEDULER_CORES)
+    """What one engine alone here would start: the CPUs this process may keep
+    busy (hicache_mp.cpubudget: cores, affinity, cgroup quota) less what it keeps
+    for its scheduler's process (hicache_mp.nodebudget.scheduler_cores), at
+    least one."""
+    cpus = read_budget().cpus
+    return max(1, cpus - scheduler_cores(cpus))
 
 
 @dataclass(frozen=True)
@@ -103,15 +105,16 @@ class EngineConfig:
     storage_dir: str = setting(help="page store directory, or a comma-separated list of them "
                                "(one per drive): pages spread over them by digest", sglang=True)
     num_workers: int = setting(
-        0, "I/O worker processes; 0 = auto: an even share of the node's physical cores less "
-        "two per engine (kept for its scheduler's process: the loop and the storage threads "
-        "beside it), split over the engines on the node (see node_engines), never more than "
-        "the running engines left free, at least one (HICACHE_MP_NODE_CORES overrides the "
-        "core count)",
+        0, "I/O worker processes; 0 = auto: the CPUs this process may use (the host's "
+        "physical cores, or HICACHE_MP_NODE_CORES, capped by its CPU affinity and its cgroup's "
+        "CPU quota) less one per engine for its scheduler's process (two above 8 CPUs: the "
+        "loop and the storage threads beside it), split over the engines sharing them (see "
+        "node_engines), never more than the running engines left free, at least one. A count "
+        "above that budget is logged: in a container it gets the whole cgroup throttled, "
+        "the scheduler with it",
         flag="--hicache-mp-workers", sglang=True, lo=0, hi=MAX_WORKERS, metavar="N")
     node_engines: int = setting(
-        0, "engines expected on this node that share the auto worker budget (physical cores "
-        "less two per engine); 0 = those registered when this one starts, plus this one "
+        0, "engines expected on this node that share the auto worker budget (see num_workers); 0 = those registered when this one starts, plus this one "
         "(SGLang's adapter passes the server's ranks on the node). Only used when num_workers "
         "is 0", sglang=True, lo=0,
         hi=MAX_WORKERS, metavar="N")

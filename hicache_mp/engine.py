@@ -51,6 +51,7 @@ from workers.control import BUSY_NS, BYTES, PAGES, STOP
 from workers.timing import ABANDON_GRACE_S, HEALTH_CHECK_S, TARGET_CAP_S  # noqa: F401 (API)
 
 from . import engine_build
+from .cpubudget import ThrottleWatch
 from .config import EngineConfig
 from .core import EngineCore, check_timeout
 from .discovery import PROBE_MAX
@@ -115,6 +116,10 @@ class PrefetchEngine(EngineCore):
         self._supervisor = Supervisor(self, self._pool, self._control, self._evictor,
                                       self._drain_ring)
         self._waiters = Waiters(self, self._control, self.done_sem)
+        # The cgroup's throttle counters, read once a second from the drain
+        # (hicache_mp.cpubudget); nothing at all where no quota binds.
+        self.cpu_budget = res.cpu_budget
+        self._throttle = ThrottleWatch(res.cpu_budget, len(self._pool))
         # Segments go even if the caller forgets close() or an exception unwinds.
         self._finalizer = weakref.finalize(self, engine_build.release, os.getpid(), self._pool,
                                            list(self._segments))
@@ -163,6 +168,7 @@ class PrefetchEngine(EngineCore):
         else:
             n = self._draining.rings(self._pool, self._evictor, BATCH_APPLY_MIN)
         self._supervisor.maybe_check()
+        self._throttle.maybe_check()
         return n
 
     def _drain_ring(self, ring) -> int:
@@ -266,4 +272,7 @@ class PrefetchEngine(EngineCore):
             "probes_sent": self._discovery.sent,
             "probes_found": self._discovery.found,
             "shared_pool": self.shared_pool,
+            # what the process may use and where that came from, and how often
+            # its cgroup was throttled since start (decision 89)
+            "cpu": {**self.cpu_budget.as_dict(), "throttle": self._throttle.metrics()},
         }

@@ -32,7 +32,8 @@ from workers.spec import WorkerSpec
 
 from .closing import EngineClosed
 from .config import EngineConfig
-from .nodebudget import NodeBudget
+from .cpubudget import CpuBudget, read_budget
+from .nodebudget import NodeBudget, scheduler_cores
 
 log = logging.getLogger("hicache_mp")
 
@@ -52,6 +53,7 @@ class Resources:
     evictor: EvictorProcess = None
     pool: WorkerPool = None
     segments: list = field(default_factory=list)
+    cpu_budget: CpuBudget = None
 
 
 def shm_parts(pool_bytes: int, workers: int, ring_capacity: int, evictor: bool) -> list:
@@ -95,6 +97,17 @@ def _room_error(config: EngineConfig, geometry: PageGeometry, workers: int,
     return err.with_fixes(fixes)
 
 
+def _warn_over_budget(workers: int, budget: CpuBudget) -> None:
+    """One warning at start for an explicit count the process cannot run (as
+    PyTorch's DataLoader warns of more workers than CPUs)."""
+    room = max(1, budget.cpus - scheduler_cores(budget.cpus))
+    if workers > room:
+        log.warning("hicache_mp: num_workers=%d is above this process's CPU budget: %d CPU(s) (%s), "
+                    "%d of them for workers beside the scheduler. Workers beyond it slow the "
+                    "scheduler, and under a CPU quota get the whole cgroup throttled, the scheduler "
+                    "with it: use num_workers=0 (auto, --hicache-mp-workers 0) or at most %d",
+                    workers, budget.cpus, budget.source, room, room)
+
 
 def build(config: EngineConfig, geometry: PageGeometry, roots, *, pool_fd: int | None,
           pool_parts, aux_workers: int | None) -> Resources:
@@ -122,10 +135,12 @@ def build(config: EngineConfig, geometry: PageGeometry, roots, *, pool_fd: int |
     res = Resources(tag=new_owner_tag(), stale_removed=stale_removed, shared_pool=shared_pool,
                     direct_io=direct_io, direct_io_reason=reason)
     share = None
+    budget = res.cpu_budget = read_budget()
     if config.num_workers:
         workers = config.num_workers
-    else:  # auto: this engine's share of the node's cores (decision 42)
-        share = NodeBudget(config.node_engines, aux_cap=aux_workers)
+        _warn_over_budget(workers, budget)
+    else:  # auto: this engine's share of what the process may use (decisions 42, 89)
+        share = NodeBudget(config.node_engines, aux_cap=aux_workers, budget=budget)
         workers = share.workers
     ring_capacity = config.resolved_ring_capacity(workers)
     # Everything this engine puts in /dev/shm, counted before any of it is made.

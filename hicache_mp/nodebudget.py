@@ -8,14 +8,22 @@ looks; the directory goes when its last engine leaves. Registration runs
 under a flock on the directory itself, so two engines starting together see
 each other. Must not start processes or touch anything but that directory.
 
-The budget: physical cores, less SCHEDULER_CORES per engine for its
-scheduler's process, split evenly over the engines expected on the node: the larger of
-`node_engines` (SGLang's adapter passes its node-local rank count, so every
-TP rank computes the same share whatever order they start in) and the
-engines registered plus this one. An engine never takes more than what the
-live ones left free, and always at least one worker. Engines already running
-keep their count: a later engine that was not announced by `node_engines`
-gets what is left (decision 42).
+The budget (decision 89): the CPUs this process may keep busy
+(hicache_mp.cpubudget: physical cores, the affinity mask and the cgroup's
+CPU quota, or HICACHE_MP_NODE_CORES), less `scheduler_cores` per engine for
+its scheduler's process, split evenly over the engines expected to share
+it: the larger of `node_engines` (SGLang's adapter passes its node-local rank
+count, so every TP rank computes the same share whatever order they start
+in) and the engines registered under the same budget plus this one. An
+engine never takes more than what the live ones left free, and always at
+least one worker. Engines already running keep their count: a later engine
+that was not announced by `node_engines` gets what is left (decision 42).
+
+Each entry names its budget's scope (the quota's cgroup, the affinity mask,
+or the host). Engines of one scope split that budget; engines of every scope
+also split the host's physical cores. So engines of one pod share the pod's
+quota, and pods whose registries meet (HICACHE_MP_NODE_DIR on a hostPath)
+also share the node, each still capped by its own quota.
 
 An auxiliary engine (`aux_cap`: a hybrid model's sidecar-pool engine, in the
 same process as its rank's KV engine, so no scheduler core of its own) is
@@ -32,6 +40,8 @@ import secrets
 import stat
 import time
 
+from .cpubudget import NODE_CORES_ENV, CpuBudget, read_budget  # noqa: F401 (NODE_CORES_ENV: API)
+
 NODE_DIR = "/dev/shm/hicache_mp-node"
 # Cores kept per engine for the process it serves: the scheduler's loop, and
 # the storage threads beside it (SGLang's prefetch, I/O and backup threads),
@@ -41,6 +51,11 @@ NODE_DIR = "/dev/shm/hicache_mp-node"
 # per 2 GiB round at 15 workers, 10 ms at 13 and 7 ms at 11, and reads beside
 # a write-through kept 0.67 / 0.85 / 0.82 of their GB/s (decision 64).
 SCHEDULER_CORES = 2
+# In a budget of at most this many CPUs, an engine keeps one core, not two:
+# under a CPU quota every CPU the workers may use is one the scheduler's cgroup
+# pays for, and the workers plus one busy scheduler thread must fit in it or the
+# whole cgroup is throttled (decision 89, measured with scripts/bench_quota.py).
+SMALL_BUDGET_CPUS = 8
 # Overrides, read when an engine registers: the registry's directory (one per
 # node by default), and the core count (a container whose CPU quota is below
 # the host's core count should say what it has).
@@ -54,7 +69,6 @@ ENTRY_MODE = 0o644
 # How long an engine waits for the directory's maker (another user's engine)
 # to give it DIR_MODE: mkdir applies the umask, so it is made, then chmod'ed.
 DIR_MODE_WAIT_S = 1.0
-NODE_CORES_ENV = "HICACHE_MP_NODE_CORES"
 
 
 def node_dir() -> str:
@@ -62,13 +76,14 @@ def node_dir() -> str:
 
 
 def physical_cores() -> int:
-    given = os.environ.get(NODE_CORES_ENV)
-    if given:
-        if not given.isdigit() or int(given) < 1:
-            raise ValueError(f"{NODE_CORES_ENV}={given!r}: a core count (>= 1) is needed")
-        return int(given)
-    import psutil
-    return psutil.cpu_count(logical=False) or psutil.cpu_count() or 2
+    """The CPUs one process here may keep busy (hicache_mp.cpubudget)."""
+    return read_budget().cpus
+
+
+def scheduler_cores(cpus: int) -> int:
+    """Cores each engine keeps for its scheduler's process, in a budget of
+    `cpus` (decisions 64, 89)."""
+    return 1 if cpus <= SMALL_BUDGET_CPUS else SCHEDULER_CORES
 
 
 def _held(path: str) -> bool:
@@ -90,21 +105,23 @@ def _held(path: str) -> bool:
     return False
 
 
-def _read_entry(path: str) -> tuple[int, bool]:
-    """(workers, auxiliary?) of one registry file."""
+def _read_entry(path: str) -> tuple[int, bool, str]:
+    """(workers, auxiliary?, budget scope) of one registry file: "N [aux] [scope=S]"
+    (an entry of an older engine names no scope: the host's)."""
     try:
         with open(path) as f:
             words = f.read().split()
-        return int(words[0]), words[1:2] == ["aux"]
+        scope = next((w[6:] for w in words[1:] if w.startswith("scope=")), "host")
+        return int(words[0]), "aux" in words[1:], scope
     except (OSError, ValueError, IndexError):
-        return 0, False
+        return 0, False, "host"
 
 
 def _read_workers(path: str) -> int:
     return _read_entry(path)[0]
 
 
-def _live_entries(node_dir: str) -> dict[str, tuple[int, bool]]:
+def _live_entries(node_dir: str) -> dict[str, tuple[int, bool, str]]:
     return {name: _read_entry(os.path.join(node_dir, name)) for name in live_shares(node_dir)}
 
 
@@ -129,22 +146,33 @@ def live_shares(node_dir: str, *, prune: bool = True) -> dict[str, int]:
 
 
 def budget_share(cores: int, engines: int, taken: int) -> int:
-    """Workers for one more engine: an even share of (cores - SCHEDULER_CORES
+    """Workers for one more engine: an even share of (cores - scheduler_cores
     per engine), no more than what the others left free, at least one."""
-    budget = cores - SCHEDULER_CORES * engines
+    budget = cores - scheduler_cores(cores) * engines
     share = budget // engines
     return max(1, min(share, budget - taken))
+
+
+def _aux_share(cores: int, engines: int, taken: int, cap: int) -> int:
+    return max(1, min(cap, cores - scheduler_cores(cores) * engines - taken))
 
 
 class NodeBudget:
     """One engine's registration; `workers` is its share. close() frees it."""
 
     def __init__(self, node_engines: int = 0, *, directory: str | None = None,
-                 cores: int | None = None, aux_cap: int | None = None):
+                 cores: int | None = None, aux_cap: int | None = None,
+                 budget: CpuBudget | None = None):
+        """`cores`: a machine of that many cores, no quota (tests); else `budget`,
+        else this process's (hicache_mp.cpubudget)."""
         self.node_dir = where = directory or node_dir()
         self.path = None
         self._fd = -1
-        cores = cores or physical_cores()
+        if cores:
+            budget = CpuBudget(int(cores), f"{cores} cores (given)", int(cores), int(cores), None)
+        self.budget = budget = budget or read_budget()
+        scope = budget.scope
+        host = max(budget.host_cores, budget.cpus)
         for _ in range(20):  # the directory may vanish between makedirs and open
             _make_shared_dir(where)
             try:
@@ -155,29 +183,46 @@ class NodeBudget:
                 fcntl.flock(dfd, fcntl.LOCK_EX)
                 if not _same_dir(dfd, where):  # removed (and maybe re-made) meanwhile
                     continue
-                live = _live_entries(where)
-                taken = sum(w for w, _ in live.values())
-                schedulers = sum(1 for _, aux in live.values() if not aux)
-                if aux_cap:
-                    engines = max(schedulers, int(node_engines or 0), 1)
-                    self.workers = max(1, min(int(aux_cap),
-                                              cores - SCHEDULER_CORES * engines - taken))
+                live = list(_live_entries(where).values())
+                # Two splits: this budget's among the engines under it, and the
+                # host's cores among every engine registered here; the tighter wins.
+                if scope == "host":   # the widest budget: every engine here counts
+                    splits = [(budget.cpus, live)]
                 else:
-                    engines = max(schedulers + 1, int(node_engines or 0))
-                    self.workers = budget_share(cores, engines, taken)
-                self._register(aux=bool(aux_cap))
-                self.engines, self.cores = engines, cores
+                    splits = [(budget.cpus, [e for e in live if e[2] == scope]), (host, live)]
+                self.workers = None
+                for cpus, entries in splits:
+                    taken = sum(w for w, _, _ in entries)
+                    schedulers = sum(1 for _, aux, _ in entries if not aux)
+                    if aux_cap:
+                        engines = max(schedulers, int(node_engines or 0), 1)
+                        share = _aux_share(cpus, engines, taken, int(aux_cap))
+                    else:
+                        engines = max(schedulers + 1, int(node_engines or 0))
+                        share = budget_share(cpus, engines, taken)
+                    if self.workers is None:
+                        self.engines = engines
+                    self.workers = share if self.workers is None else min(self.workers, share)
+                self._register(aux=bool(aux_cap), scope=scope)
+                self.cores = budget.cpus
                 return
             finally:
                 os.close(dfd)
         raise RuntimeError(f"hicache_mp: cannot register in {where}")
 
-    def _register(self, aux: bool) -> None:
+    def _register(self, aux: bool, scope: str = "host") -> None:
         path = os.path.join(self.node_dir, f"{os.getpid()}.{secrets.token_hex(4)}")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, ENTRY_MODE)
-        os.fchmod(fd, ENTRY_MODE)  # whatever the umask: every user's engine reads and flocks it
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.write(fd, f"{self.workers}{' aux' if aux else ''}\n".encode())
+        try:
+            os.fchmod(fd, ENTRY_MODE)  # whatever the umask: every user's engine reads and flocks it
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(fd, f"{self.workers}{' aux' if aux else ''} scope={scope}\n".encode())
+        except BaseException:
+            # A full /dev/shm fails the write: an entry left behind, flock'ed by
+            # this live process, would count its workers against every later engine.
+            os.unlink(path)
+            os.close(fd)
+            raise
         self.path, self._fd = path, fd
 
     def close(self) -> None:

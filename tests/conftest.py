@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 
+from hicache_mp.bench.cgroups import ours_left as cgroups_left  # noqa: E402
 from shm.names import list_ours, owner_pid  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,11 +104,14 @@ def _guard(what: str):
     """Snapshot, run the body (the generator's caller), then fail on what is new."""
     shm_before = shm_entries()
     procs_before = worker_pids()
+    cgroups_before = cgroups_left()
     yield
     shm_left = _settle(lambda: shm_entries() - shm_before)
     procs_left = _settle(lambda: worker_pids() - procs_before)
+    cgroups = _settle(lambda: cgroups_left() - cgroups_before)
     assert not shm_left, f"{what} left shared memory behind: {sorted(shm_left)}"
     assert not procs_left, f"{what} left worker processes behind: {sorted(procs_left)}"
+    assert not cgroups, f"{what} left cgroups behind: {sorted(cgroups)}"
 
 
 @pytest.fixture(autouse=True)
