@@ -48,7 +48,7 @@ from ...config import EngineConfig
 from ...engine import PrefetchEngine
 from ..common import CallStats, check_known, engine_config, leading, own_settings, \
     wait_or_abandon
-from .hybrid import HybridPools
+from .hybrid import HybridPools, SidecarRefused
 from .indices import all_ok, host_pages, missing
 from .names import SGLangShard
 from .pools import HOW_TO_ZERO_COPY, pool_geometry, zero_copy_plan
@@ -184,8 +184,15 @@ class HiCacheMP(HiCacheStorage):
 
     # --- v2: hybrid models' sidecar pools (hybrid.HybridPools) ------------------
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
-        """Every pool of a hybrid model, KV included, also later at runtime."""
-        self.hybrid.register(host_pool, host_pool_name)
+        """Every pool of a hybrid model, KV included, also later at runtime. A pool
+        that cannot be served is refused (hybrid.SidecarRefused): every engine is
+        closed first, so nothing is left running and no KV page is written for
+        prefixes that could never be restored."""
+        try:
+            self.hybrid.register(host_pool, host_pool_name)
+        except SidecarRefused:
+            self.close()
+            raise
 
     def on_host_pools_registered(self) -> None:
         if self.hybrid.unserved:

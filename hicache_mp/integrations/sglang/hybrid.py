@@ -20,6 +20,19 @@ engine-owned shared-memory staging pool, and the pages move between it and
 SGLang's pool with a few batched torch copies per component
 (`sidecar_layouts`), never a Python loop over pages where the layout is known.
 
+Refused at attach (`SidecarRefused`, raised after every engine of the
+backend is closed): a known pool that cannot be served, such as a staged
+pool whose page is larger than `sidecar_staging_bytes` or one whose engine
+does not fit in /dev/shm. Serving the KV pool without it would write KV
+pages for prefixes that can never be restored (SGLang restores a hybrid
+prefix only with its sidecar pages). An object that is no host pool we know
+is left unserved, and while any pool is unserved no KV page is written
+through the v2 calls, for the same reason.
+
+Checksums: every sidecar engine writes a payload CRC and requires it on read
+(`sidecar_checksum`, on by default): one flipped byte in a recurrent state
+would spoil every later token of a request, and a bad page is a miss.
+
 Page identity: the key is `{hash}.{pool}` as in SGLang's `file` backend, and
 the engine's namespace holds the pool name and the page's byte layout, so the
 header's key digest ties a file to one pool and one geometry: a file of one
@@ -45,8 +58,21 @@ from .indices import as_numpy, page_index, page_starts
 from .sidecar import SidecarPool
 
 log = logging.getLogger("hicache_mp.sglang")
+MIB = 1 << 20
 
-SIDECAR_STAGING_BYTES = 64 << 20   # staging memory per sidecar pool (at least one page)
+
+class SidecarRefused(ValueError):
+    """A sidecar pool SGLang registered cannot be served: its message names the
+    pool, the sizes and the fixes."""
+
+
+def staging_fixes(page_bytes: int) -> str:
+    need = -(-page_bytes // MIB)
+    return (f'raise "sidecar_staging_bytes" in --hicache-storage-backend-extra-config to at '
+            f'least "{need}M" (and give /dev/shm that much more room: docker --shm-size, the '
+            f'emptyDir sizeLimit), or use SGLang\'s shm allocator ("allocator": "shm" in the '
+            f'extra-config) so the pool is read and written in place, with no staging')
+
 SIDECAR_STAGING_PAGES = 256
 SIDECAR_WORKERS = 2
 
@@ -66,7 +92,9 @@ class HybridPools:
         """Serve `host_pool` (also later at runtime; a second registration of a
         name replaces the first). Never raises: a pool that cannot be served is
         logged and answers "not stored" (False / no restorable prefix), so
-        SGLang's attach never fails half-way with its threads started."""
+        SGLang's attach never fails half-way with its threads started.
+        Raises SidecarRefused for a pool of a known layout that cannot be
+        served (module docstring); the caller closes the backend."""
         name = pool_name(host_pool_name)
         if name == KV or host_pool is self.backend.mem_pool_host:
             self.kv_names.add(name)
@@ -79,24 +107,40 @@ class HybridPools:
         engine = None
         try:
             layout = sidecar_layouts.plan(host_pool)
+        except Exception as exc:
+            with self._lock:
+                self.unserved[name] = f"{type(exc).__name__}: {exc}"
+            log.warning("hicache_mp: sidecar pool %r is not served (%s); its pages read as "
+                        "missing and its writes fail, so no prefix that needs it is restored, "
+                        "and no KV page is written through the v2 calls", name, exc)
+            return
+        try:
             parts, pages, why = sidecar_layouts.zero_copy_parts(host_pool, layout)
             if parts is not None and not self.backend.own.zero_copy:
                 parts, why = None, '"zero_copy": false in the extra-config'
+            cap = self.backend.own.sidecar_staging_bytes
+            if parts is None and layout.page_bytes > cap:
+                raise SidecarRefused(
+                    f"hicache_mp: SGLang's {name} pool has pages of "
+                    f"{layout.page_bytes / MIB:.1f} MiB ({layout.page_bytes} bytes), larger than "
+                    f"the sidecar staging cap of {cap / MIB:.1f} MiB it must be staged through "
+                    f"({why}). Without it no prefix of this model can be restored, so the "
+                    f"backend is refused. Fix: {staging_fixes(layout.page_bytes)}")
             engine = PrefetchEngine(self._config(name, layout, pages if parts else 0),
                                     self._geometry(layout), pool_parts=parts,
                                     aux_workers=SIDECAR_WORKERS)
             pool = SidecarPool(name, host_pool, layout, engine, zero_copy=parts is not None,
                                probe_wait_s=self.backend.own.probe_wait_s,
                                parts=len(parts or ()))
+        except SidecarRefused:
+            raise
         except Exception as exc:
             if engine is not None:
                 engine.close()
-            with self._lock:
-                self.unserved[name] = f"{type(exc).__name__}: {exc}"
-            log.warning("hicache_mp: sidecar pool %r is not served (%s); its pages read as "
-                        "missing and its writes fail, so no prefix that needs it is restored",
-                        name, exc)
-            return
+            raise SidecarRefused(
+                f"hicache_mp: SGLang's {name} pool ({layout.page_bytes / MIB:.1f} MiB pages) "
+                f"cannot be served: {exc}. Without it no prefix of this model can be "
+                f"restored, so the backend is refused.") from exc
         with self._lock:
             self.pools[name] = pool
         log.info("hicache_mp: sidecar pool %r: %s, %d-byte pages, %s, %d workers", name,
@@ -121,8 +165,9 @@ class HybridPools:
 
     def _config(self, name: str, layout, pool_pages: int = 0):
         b = self.backend
+        # register() refused a staged page over the cap: at least one fits
         pages = pool_pages or max(1, min(SIDECAR_STAGING_PAGES,
-                                         SIDECAR_STAGING_BYTES // layout.page_bytes))
+                                         b.own.sidecar_staging_bytes // layout.page_bytes))
         cfg = b._config(pages)
         names = {}
         if name == MAMBA:   # TP-sharded even when the KV is MLA (replicated)
@@ -130,6 +175,8 @@ class HybridPools:
         # auto (0): up to SIDECAR_WORKERS from the node's budget, as an auxiliary
         # of this rank's KV engine (aux_workers)
         workers = min(SIDECAR_WORKERS, cfg.num_workers) if cfg.num_workers else 0
+        if b.own.sidecar_checksum:   # a bad state is a miss, never a hit (module docstring)
+            names.update(write_checksum=True, verify_checksum=True, require_checksum=True)
         return dataclasses.replace(
             cfg, num_workers=workers, **names,
             namespace_extra=f"{cfg.namespace_extra}|pool={name}|{layout.describe()}")
@@ -177,6 +224,11 @@ class HybridPools:
                 if not keys:
                     continue
                 name = pool_name(t.name)
+                if (name == KV or name in self.kv_names) and write and self.unserved:
+                    # a prefix needing an unserved pool is never restored: its KV
+                    # pages would be written for nothing
+                    res[-1][1] = [False] * len(keys)
+                    continue
                 if name == KV or name in self.kv_names:
                     b = self.backend
                     if b.zero_copy:     # submitted now, waited for with the sidecars' ops

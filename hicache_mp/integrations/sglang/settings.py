@@ -31,6 +31,14 @@ class AdapterConfig:
                                   "unfinished pages are reported False", sglang=True, lo=0,
                                   lo_open=True, finite=False)
     zero_copy: bool = setting(True, "false forces the staging path", sglang=True)
+    sidecar_staging_bytes: int = setting(
+        64 << 20, "staging memory per sidecar pool (Mamba, SWA, DSA) on SGLang's default "
+        "allocator; a pool whose page is larger is refused at attach (K, M, G suffixes)",
+        sglang=True, size=True, lo=1)
+    sidecar_checksum: bool = setting(
+        True, "payload checksums on sidecar pools: written on every set, required on every "
+        "get (a page without one or with a bad one is a miss); false: the engine's "
+        "write_checksum / require_checksum", sglang=True)
     probe_wait_s: float = setting(0.1, "batch_exists waits up to this long for the workers' "
                                   "answers about keys the index does not know (pages other "
                                   "engines or nodes wrote); 0: answer from the index, later "
