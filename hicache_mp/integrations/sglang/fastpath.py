@@ -1,0 +1,163 @@
+"""The HiCache storage fast path, applied to SGLang's classes in this process.
+
+`install()` puts the methods of `fastpath_methods` on SGLang 0.5.23's
+`HiCacheController` and `HybridCacheController` (see that module for what
+changes and why) and returns what it changed; `uninstall()` puts SGLang's
+own back. `patched_source()` writes the same methods into SGLang's source
+text, which is how the upstream patch in upstream/ is made
+(scripts/sglang_fastpath_patch.py) and checked (tests/integrations/).
+
+Only the version it was built and tested against is patched: any other
+SGLang raises `FastPathVersionError`, because the methods replaced are
+copies of that version's with a few lines changed, and on another version
+they would silently undo its fixes.
+
+Owns the patching of those two classes and nothing else; must not import
+SGLang at module level (the CLI's --help loads it without SGLang), touch
+an engine, or change any other SGLang class.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import textwrap
+import types
+
+from . import fastpath_methods
+
+SGLANG_VERSION = "0.5.23"
+
+# What install() changed, for uninstall(): (class, name, SGLang's own or None).
+_INSTALLED: list[tuple[type, str, object]] = []
+
+
+class FastPathVersionError(RuntimeError):
+    """The running SGLang is not the version the fast path was built and tested for."""
+
+
+def _check_version(version: str | None = None) -> str:
+    if version is None:
+        import sglang  # the one optional import here: install() needs SGLang
+        version = getattr(sglang, "__version__", "unknown")
+    if version != SGLANG_VERSION:
+        raise FastPathVersionError(
+            f"hicache_mp's SGLang storage fast path is built and tested for SGLang "
+            f"{SGLANG_VERSION} only; this is SGLang {version}. Run SGLang {SGLANG_VERSION}, "
+            f"or start the server without it (python -m sglang.launch_server ...).")
+    return version
+
+
+def _methods(holder: type) -> dict[str, types.FunctionType]:
+    return {n: f for n, f in vars(holder).items() if isinstance(f, types.FunctionType)}
+
+
+def _bound_to(fn: types.FunctionType, module: types.ModuleType, cls: type):
+    """`fn` as if defined in `cls` of `module`: its globals are the module's
+    and a zero-argument super() sees `cls` (its __class__ cell)."""
+    closure = None
+    if fn.__code__.co_freevars:
+        if fn.__code__.co_freevars != ("__class__",):
+            raise TypeError(f"{fn.__qualname__} closes over {fn.__code__.co_freevars}")
+        closure = (types.CellType(cls),)
+    new = types.FunctionType(fn.__code__, module.__dict__, fn.__name__, fn.__defaults__,
+                             closure)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__doc__ = fn.__doc__
+    new.__qualname__ = f"{cls.__qualname__}.{fn.__name__}"
+    new.__module__ = module.__name__
+    new.__annotations__ = dict(fn.__annotations__)
+    new.__hicache_fastpath__ = True
+    return new
+
+
+def installed() -> bool:
+    return bool(_INSTALLED)
+
+
+def install(*, version: str | None = None) -> list[str]:
+    """Apply the fast path to SGLang's classes in this process; returns what
+    changed ("replaced module.Class.method" / "added ..."). Idempotent: a
+    second call changes nothing and returns []. `version` stands for
+    sglang.__version__ (tests fake it to see the refusal).
+
+    Call it before the server builds its cache controller: a controller whose
+    threads already run keeps its sync thread, which then only idles."""
+    _check_version(version)
+    if _INSTALLED:
+        return []
+    changed = []
+    plan = []
+    for mod_name, cls_name, holder, _anchor in fastpath_methods.TARGETS:
+        module = importlib.import_module(mod_name)
+        cls = getattr(module, cls_name)
+        for name, fn in _methods(holder).items():
+            plan.append((module, cls, name, fn, vars(cls).get(name)))
+    for module, cls, name, fn, old in plan:
+        setattr(cls, name, _bound_to(fn, module, cls))
+        _INSTALLED.append((cls, name, old))
+        changed.append(f"{'replaced' if old is not None else 'added'} "
+                       f"{module.__name__}.{cls.__name__}.{name}")
+    return changed
+
+
+def uninstall() -> list[str]:
+    """Put SGLang's own methods back; returns what was restored."""
+    out = []
+    while _INSTALLED:
+        cls, name, old = _INSTALLED.pop()
+        if old is None:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, old)
+        out.append(f"{cls.__module__}.{cls.__name__}.{name}")
+    return out
+
+
+# --- the same change as source text (the upstream patch) ---------------------------
+def _method_source(fn: types.FunctionType, indent: str) -> list[str]:
+    return textwrap.indent(textwrap.dedent(inspect.getsource(fn)), indent).splitlines(True)
+
+
+def patched_source(text: str, cls_name: str, holder: type, anchor: str) -> str:
+    """SGLang's file `text` with `cls_name`'s methods named in `holder` replaced
+    by the holder's, and the holder's new ones put after method `anchor`."""
+    tree = ast.parse(text)
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name)
+    defs = {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
+    lines = text.splitlines(True)
+    indent = " " * defs[anchor].col_offset
+    methods = _methods(holder)
+    new = [fn for name, fn in methods.items() if name not in defs]
+    edits = []   # (first line, last line (exclusive), replacement), 0-based
+    for name, fn in methods.items():
+        if name in defs:
+            node = defs[name]
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
+            edits.append((first, node.end_lineno, _method_source(fn, indent)))
+    if new:
+        at = defs[anchor].end_lineno
+        body = []
+        for fn in new:
+            body += ["\n"] + _method_source(fn, indent)
+        edits.append((at, at, body))
+    for first, last, repl in sorted(edits, key=lambda e: e[0], reverse=True):
+        lines[first:last] = repl
+    return "".join(lines)
+
+
+def patch_text(site_packages: str) -> str:
+    """The unified diff (paths a/sglang/..., b/sglang/...; apply with -p1 in
+    site-packages) that makes SGLang's sources under `site_packages` read as
+    install() makes its classes behave."""
+    import difflib
+    import os
+    out = []
+    for mod_name, cls_name, holder, anchor in fastpath_methods.TARGETS:
+        rel = mod_name.replace(".", "/") + ".py"
+        with open(os.path.join(site_packages, rel)) as f:
+            old = f.read()
+        new = patched_source(old, cls_name, holder, anchor)
+        out += difflib.unified_diff(old.splitlines(True), new.splitlines(True),
+                                    f"a/{rel}", f"b/{rel}")
+    return "".join(out)

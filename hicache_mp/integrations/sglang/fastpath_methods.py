@@ -1,0 +1,275 @@
+"""The HiCache storage fast path's methods, as they read in SGLang's patched source.
+
+One source for both ways the fast path ships: `fastpath.install()` puts these
+functions on SGLang 0.5.23's `HiCacheController` and `HybridCacheController`
+in a running process (rebound to the globals of SGLang's own module, so every
+name in them resolves as it would in SGLang's file), and
+`fastpath.patched_source()` writes them into SGLang's files in place of the
+methods of the same name, which is how the upstream patch
+(upstream/sglang-0.5.23-hicache-fastpath.patch) is made and checked.
+
+What changes, and why (docs/sglang-fastpath.md has the hand-off table):
+the I/O thread reduces each prefetch ack across ranks itself and puts it
+straight on `ack_prefetch_queue` (`_publish_prefetch_ack`), so no ack waits
+for `prefetch_sync_thread` to wake from `prefetch_sync_queue`: under a
+scheduler loop that holds the GIL, each such wake cost up to a switch
+interval per batch. The thread is left to exit at once. With no rank to
+agree with (no sync group), the hit count and the completed tokens are
+taken as they are, with no tensor; with ranks, the same MIN all-reduces
+run, in the same order, on the same groups.
+
+Must not import hicache_mp or SGLang: the text below is SGLang's (it goes
+into the upstream patch verbatim) and resolves its names in SGLang's module.
+The holder classes are never instantiated; a method that calls `super()` is
+given the target class's `__class__` cell at install.
+"""
+# ruff: noqa: F821  (names resolve in SGLang's module, whose globals these run under)
+from __future__ import annotations  # as in both SGLang modules: annotations stay text
+
+
+class HiCacheControllerMethods:
+    """Methods of sglang.srt.managers.cache_controller.HiCacheController."""
+
+    def _publish_prefetch_ack(self, ack: PrefetchAck) -> None:
+        """Agree on `ack` across ranks and hand it to the scheduler thread.
+
+        Runs on the I/O thread, in the order the acks are made, so every rank
+        makes the same collectives in the same order without a thread hop
+        (each hop cost a GIL hand-off per batch under a busy scheduler)."""
+        self._reduce_prefetch_ack(ack)
+        self.ack_prefetch_queue.put(ack)
+
+    def _page_transfer(self, operation: PrefetchOperation) -> int:
+        # Transfer batch by batch
+        prefix_keys = operation.prefix_keys
+        kv_derived_transfers = [
+            transfer
+            for transfer in getattr(operation, "pool_transfers", None) or []
+            if transfer.indices_from_pool == PoolName.KV
+        ]
+        all_success = True
+        completed_pages = 0
+        for i in range(0, len(operation.hash_value), STORAGE_BATCH_SIZE):
+            # When an error is occurred, we should keep looping and produce the same number of
+            # PrefetchAck as other ranks do, because _publish_prefetch_ack performs a reduce
+            # on the results.  This is so tricky.
+            if all_success and operation.is_terminated():
+                all_success = False
+            if all_success:
+                batch_hashes = operation.hash_value[i : i + STORAGE_BATCH_SIZE]
+                batch_host_indices = operation.host_indices[
+                    i * self.page_size : (i + len(batch_hashes)) * self.page_size
+                ]
+
+                # Get one batch token, and update the completed_tokens if succeed
+                extra_info = HiCacheStorageExtraInfo(prefix_keys=prefix_keys)
+
+                try:
+                    hit_pages = self._page_transfer_kv_batch(
+                        operation,
+                        batch_hashes,
+                        batch_host_indices,
+                        extra_info,
+                        kv_derived_transfers,
+                    )
+                except Exception:
+                    logger.exception(
+                        "HiCache prefetch transfer failed for request %s",
+                        operation.request_id,
+                    )
+                    hit_pages = 0
+                # Check termination
+                if hit_pages != len(batch_hashes):
+                    all_success = False
+                if prefix_keys is not None:
+                    prefix_keys = prefix_keys + batch_hashes
+                completed_pages += hit_pages
+            ack = PrefetchAck(
+                rid=operation.request_id,
+                completed_tokens=completed_pages * self.page_size,
+                operation=operation,
+            )
+            self._publish_prefetch_ack(ack)
+        return completed_pages
+
+    def prefetch_io_aux_func(self):
+        """
+        Auxiliary function conducting IO operations for prefetching.
+        """
+        while not self.storage_stop_event.is_set():
+            try:
+                operation = self.prefetch_buffer.get(block=True, timeout=1)
+            except Empty:
+                continue
+            if operation is None:
+                continue
+            try:
+                self._page_transfer(operation)
+            finally:
+                self._publish_prefetch_ack(
+                    PrefetchAck(
+                        rid=operation.request_id,
+                        completed_req=True,
+                        operation=operation,
+                    )
+                )
+
+    def prefetch_sync_thread_func(self):
+        """Acks are reduced and published by the I/O thread that makes them
+        (_publish_prefetch_ack); nothing is queued for this thread any more."""
+        return
+
+    def _sync_prefetch_hit_query(self, operation, storage_hit_count: int) -> int:
+        """Rank-reduce a hit query (MIN) so every rank agrees on the usable
+        prefix. Runs for every operation, hit or miss."""
+        if not self.prefetch_hits_sync_groups:
+            # No other rank to agree with: the local count is the verdict.
+            return storage_hit_count
+        hit_count = torch.tensor(storage_hit_count, dtype=torch.int)
+        self._all_reduce(
+            hit_count,
+            torch.distributed.ReduceOp.MIN,
+            self.prefetch_hits_sync_groups,
+        )
+        return int(hit_count.tolist())
+
+    def _reduce_prefetch_ack(self, ack: PrefetchAck) -> None:
+        """Synchronize all ranks to agree on a PrefetchAck."""
+        if ack.completed_tokens is not None and self.prefetch_completion_sync_groups:
+            # Determine the minimal successful prefix of tokens.
+            completed_tokens_tensor = torch.tensor(
+                ack.completed_tokens, dtype=torch.int
+            )
+            self._all_reduce(
+                completed_tokens_tensor,
+                torch.distributed.ReduceOp.MIN,
+                self.prefetch_completion_sync_groups,
+            )
+            ack.completed_tokens = completed_tokens_tensor.tolist()
+
+
+class HybridCacheControllerMethods:
+    """Methods of sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController."""
+
+    def _page_transfer_sidecar(
+        self, operation: PrefetchOperation, kv_completed_pages: int
+    ) -> None:
+        if operation.pool_transfers is None:
+            return
+
+        # Extra pools only after KV fully completes. If KV terminated early
+        # (IO failure, timeout, TP mismatch), skip extra IO entirely to avoid
+        # data misalignment.
+        pool_hits: dict[str, int] = {}
+        if not operation.is_terminated() and kv_completed_pages == len(
+            operation.hash_value
+        ):
+            # KV-derived sidecar pools are handled in CacheController._page_transfer_kv_batch.
+            # Only handle non-KV-derived sidecar pools here.
+            transfers_nonkv = [
+                transfer
+                for transfer in operation.pool_transfers
+                if transfer.indices_from_pool != PoolName.KV
+            ]
+            sidecar_hashes = operation.sidecar_hash_values or operation.hash_value
+            sidecar_hit_pages = (
+                operation.sidecar_hit_pages
+                if operation.sidecar_hash_values is not None
+                else kv_completed_pages
+            )
+            self._sync_trailing_keys(transfers_nonkv, sidecar_hashes, sidecar_hit_pages)
+            self._resolve_sidecar_nonkv_derived_pool_transfers(operation)
+            try:
+                results = {}
+                for extra_info, transfers in _trailing_chain_groups(
+                    operation.prefix_keys,
+                    sidecar_hashes,
+                    transfers_nonkv,
+                ):
+                    results.update(
+                        self.storage_backend.batch_get_v2(
+                            transfers, extra_info=extra_info
+                        )
+                    )
+                pool_hits = count_pool_hits(results)
+            except Exception:
+                logger.exception(
+                    "HiCache sidecar prefetch failed for request %s",
+                    operation.request_id,
+                )
+        # Publish a PrefetchAck even if the operation has been canceled by the scheduler
+        # thread: every rank must make the same number of reductions.
+        self._publish_prefetch_ack(
+            PrefetchAck(
+                rid=operation.request_id,
+                operation=operation,
+                pool_hits=pool_hits,
+            )
+        )
+        return
+
+    def _reduce_prefetch_ack(self, ack: PrefetchAck) -> None:
+        # Handle KV-derived pool.
+        super()._reduce_prefetch_ack(ack)
+
+        # Handle other sidecar pools, e.g. SWA, Mamba.
+        if ack.pool_hits is not None:
+            # "for ... in PoolName" ensures the same order across all ranks.
+            # On prefetch failure, pool_hits may be empty dict.
+            hits = [ack.pool_hits.get(pool.value, 0) for pool in PoolName]
+            if self.prefetch_completion_sync_groups:
+                packed = torch.tensor(hits, dtype=torch.int)
+                self._all_reduce(
+                    packed,
+                    torch.distributed.ReduceOp.MIN,
+                    self.prefetch_completion_sync_groups,
+                )
+                # One tolist() for every pool, not one Tensor.item() per pool.
+                hits = packed.tolist()
+            for pool, pages in zip(PoolName, hits):
+                ack.pool_hits[pool.value] = pages
+
+    def prefetch_sync_thread_func(self) -> None:
+        """Acks are reduced and published by the I/O thread that makes them
+        (_publish_prefetch_ack); nothing is queued for this thread any more."""
+        return
+
+    def _publish_prefetch_ack(self, ack: PrefetchAck) -> None:
+        """Agree on `ack` across ranks, then hand it to the scheduler thread,
+        or for a PP-broadcast operation record it and publish its ticket's
+        completion. Runs on the I/O thread, in the order the acks are made."""
+        self._reduce_prefetch_ack(ack)
+        if not getattr(ack.operation, "is_pp_broadcast", False):
+            self.ack_prefetch_queue.put(ack)
+            return
+
+        operation = ack.operation
+        if ack.completed_tokens is not None:
+            operation.completed_tokens = ack.completed_tokens
+        if ack.pool_hits is not None:
+            operation.pool_storage_result.update_extra_pool_hit_pages(ack.pool_hits)
+            operation.pool_transfers_done = True
+        if not ack.completed_req:
+            return
+
+        with self.pp_prefetch_state_lock:
+            state = self.pp_prefetch_states.get(operation.request_id)
+            if state is None:
+                return
+            operation.hash_value = operation.hash_value[
+                : operation.completed_tokens // self.page_size
+            ]
+            operation.storage_hit_count = operation.completed_tokens
+            state.ready_event.set()
+            if state.release_requested:
+                self._free_pp_prefetch_state(state)
+                self.pp_prefetch_states.pop(operation.request_id, None)
+
+
+# (SGLang module, class, holder, the stock method after which new methods go)
+TARGETS = (
+    ("sglang.srt.managers.cache_controller", "HiCacheController",
+     HiCacheControllerMethods, "_generic_page_get"),
+    ("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller", "HybridCacheController",
+     HybridCacheControllerMethods, "prefetch_sync_thread_func"),
+)
