@@ -3,7 +3,7 @@
 
 A serving host's scheduler thread shares the machine with whatever moves the
 KV bytes. This measures, with no engine and no tier at all, the rate of the
-same pure-Python loop the tier benchmarks use (bench_vllm_tier.spin) while N
+same pure-Python loop the tier benchmarks use (hicache_mp.bench.loop.spin_for) while N
 other processes run, for each kind of neighbour:
 
   cpu     a pure-Python loop of its own (no memory traffic): cores shared
@@ -36,19 +36,10 @@ import time
 
 import numpy as np
 
+from hicache_mp.bench.loop import spin_rate
+
 COPY_BYTES = 64 << 20
 READ_BYTES = 8 << 20
-
-
-def spin(seconds: float) -> float:
-    """The loop: pure-Python bookkeeping (bench_vllm_tier's), iterations per second."""
-    book, n = {}, 0
-    t0 = time.perf_counter()
-    end = t0 + seconds
-    while time.perf_counter() < end:
-        book[n & 1023] = n
-        n += 1
-    return n / (time.perf_counter() - t0)
 
 
 def neighbour(kind: str, cpu: int | None, path: str, stop, moved, ready) -> None:
@@ -59,7 +50,7 @@ def neighbour(kind: str, cpu: int | None, path: str, stop, moved, ready) -> None
     if kind == "cpu":
         ready.release()
         while not stop.is_set():
-            spin(0.05)
+            spin_rate(0.05)
     elif kind == "memcpy":
         a = np.ones(COPY_BYTES, dtype=np.uint8)
         b = np.empty_like(a)
@@ -91,18 +82,18 @@ def cell(kind: str, n: int, seconds: float, cpus: list, path: str) -> dict:
     procs = [ctx.Process(target=neighbour, daemon=True,
                          args=(kind, others[i % len(others)] if len(cpus) > 1 else None,
                                path, stop, moved, ready)) for i in range(n)]
-    before = spin(seconds / 2)
+    before = spin_rate(seconds / 2)
     for p in procs:
         p.start()
     for _ in procs:
         ready.acquire(timeout=30)
     t0 = time.perf_counter()
-    beside = spin(seconds)
+    beside = spin_rate(seconds)
     dt = time.perf_counter() - t0
     stop.set()
     for p in procs:
         p.join(10)
-    after = spin(seconds / 2)
+    after = spin_rate(seconds / 2)
     alone = (before + after) / 2
     return {"kind": kind, "neighbours": n, "loop_alone": alone, "loop_beside": beside,
             "ratio": beside / alone, "neighbour_gbps": moved.value / dt / 1e9}

@@ -25,19 +25,17 @@ import multiprocessing as mp
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from hicache_mp import EngineConfig, PageGeometry, make_engine  # noqa: E402
-from hicache_mp.config import auto_workers  # noqa: E402
-from shm import HostPool, new_owner_tag  # noqa: E402
-from workers import naming, pagefile  # noqa: E402
+from hicache_mp import EngineConfig, PageGeometry, make_engine
+from hicache_mp.bench.loop import idle_loop_rate, scheduler_step
+from hicache_mp.config import auto_workers
+from shm import HostPool, new_owner_tag
+from workers import naming, pagefile
 
 OP_PAGES = 128          # one op = 128 pages = 1 GiB at 8 MiB pages, as in the user's logs
 POLL_OPS = 24
@@ -45,32 +43,6 @@ POLL_OPS = 24
 
 def log(msg: str) -> None:
     print(f"[bench_prefetch {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-# --- busy scheduler loop ------------------------------------------------------
-def _scheduler_step(engine) -> None:
-    """One iteration of a pure-Python scheduler: poll, then some bookkeeping."""
-    if engine is not None:
-        engine.poll()
-    acc = 0
-    for i in range(200):  # ~10 µs of interpreter work, like a scheduler's batch bookkeeping
-        acc += i & 7
-    return acc
-
-
-def idle_loop_rate(engine, seconds: float, ops) -> float:
-    """The busy loop of run_prefetch, step for step, with nothing in flight.
-
-    `ops` are finished ops, so the loop's own "all done?" check costs the same.
-    """
-    n, t0 = 0, time.perf_counter()
-    deadline = t0 + seconds
-    while not all(op.done and op.num_pages < 0 for op in ops):
-        _scheduler_step(engine)
-        n += 1
-        if time.perf_counter() > deadline:
-            break
-    return n / (time.perf_counter() - t0)
 
 
 # --- running prefetches -------------------------------------------------------
@@ -88,7 +60,7 @@ def run_prefetch(engine, keys, rounds: int, busy: bool, cap_s: float) -> dict:
         ops = [engine.prefetch(keys[i:i + OP_PAGES], slots[i:i + OP_PAGES]) for i in range(0, n, OP_PAGES)]
         if busy:
             while not all(op.done for op in ops):
-                _scheduler_step(engine)
+                scheduler_step(engine)
                 iters += 1
                 if time.perf_counter() > deadline:
                     break

@@ -12,7 +12,7 @@ import pytest
 
 import helpers
 from faultkit import workers_counted
-from giltrace import released_in
+from hicache_mp.bench.giltrace import released_in
 
 N = 128          # SGLang's STORAGE_BATCH_SIZE
 KEYS = 2000      # a long request's key list, asked about at once

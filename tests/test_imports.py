@@ -17,7 +17,8 @@ PACKAGES = ("shm", "workers", "hicache_mp")
 # fail with the ImportError that says what to install (and nothing else).
 OPTIONAL = {"hicache_mp.integrations.sglang.backend": "needs SGLang",
             "hicache_mp.integrations.vllm": "needs vLLM",
-            "hicache_mp.integrations.vllm_import": "needs vLLM"}
+            "hicache_mp.integrations.vllm_import": "needs vLLM",
+            "hicache_mp.bench.sglang.nobytes": "needs SGLang"}
 
 # Every import of a project module inside a function, and why it is there.
 # None of them may be there only to break a cycle.
@@ -31,6 +32,11 @@ LAZY = {
         "CLI, settings for the flags reference) load without it",
     ("hicache_mp/bench/sim/bench.py", "hicache_mp.device"):
         "DeviceLoader imports torch: loaded only for a run with a device load",
+    ("hicache_mp/bench/vllm/tier.py", "hicache_mp.integrations.vllm"):
+        "the tier imports vLLM's fs tier, which must come after the bench has made "
+        "vllm.fs_io_C importable (load_fs_helper)",
+    ("hicache_mp/bench/vllm/capacity.py", "hicache_mp.integrations.vllm"):
+        "imports vLLM: the bench's --help and argument checks run without it",
 }
 
 

@@ -1,11 +1,11 @@
 """SGLang's real hybrid host-pool classes for a test module, or the module skipped.
 
-Owns the one way the v2 tests load them (scripts/sglang_real_hybrid.load) and
+Owns the one way the v2 tests load them (hicache_mp/bench/sglang/real_hybrid.load) and
 the skip message that says what to install. Must not build pools itself.
 """
 import pytest
 
-import sglang_real_hybrid as real
+from hicache_mp.bench.sglang import real_hybrid as real
 
 
 def load_or_skip():

@@ -12,10 +12,10 @@ S = load_or_skip()
 
 import torch  # noqa: E402
 
-import sglang_hybrid_check  # noqa: E402
-import sglang_hybrid_rank  # noqa: E402
-import sglang_real_hybrid  # noqa: E402
-from sglang_stack import Scheduler  # noqa: E402
+from hicache_mp.bench.sglang import hybrid_check as sglang_hybrid_check  # noqa: E402
+from hicache_mp.bench.sglang import hybrid_rank as sglang_hybrid_rank  # noqa: E402
+from hicache_mp.bench.sglang import real_hybrid as sglang_real_hybrid  # noqa: E402
+from hicache_mp.bench.sglang.stack import Scheduler  # noqa: E402
 
 TINY = ["--tiny", "--round-pages", "4", "--requests", "2", "--runs", "2", "--trace-runs", "1",
         "--workers", "1"]

@@ -4,13 +4,13 @@ A Mamba state is several tensors, each its own memfd (temporal, every conv
 buffer, every extra checkpoint buffer): the workers map them all and move a
 state as one run per tensor (shm.partpool), in SGLang's flat page order, so
 a state written on the staged path ("zero_copy": false) reads zero-copy byte
-for byte, and back. Built on CPU by scripts/sglang_real_hybrid.py; skipped,
+for byte, and back. Built on CPU by hicache_mp/bench/sglang/real_hybrid.py; skipped,
 naming the missing module, where the pool classes cannot be imported.
 """
 import pytest
 import torch
 
-import sglang_real_hybrid as real  # noqa: E402
+from hicache_mp.bench.sglang import real_hybrid as real  # noqa: E402
 from test_sglang_v2_real_pools import S  # noqa: E402  (skips this module where it skips)
 
 from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402

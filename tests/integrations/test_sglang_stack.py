@@ -8,7 +8,7 @@ import os
 import pytest
 
 
-import sglang_real  # noqa: E402
+from hicache_mp.bench.sglang import real as sglang_real  # noqa: E402
 
 try:
     SGL = sglang_real.import_stack()
@@ -16,7 +16,7 @@ except ImportError as exc:
     pytest.skip(f"SGLang's host-pool/controller chain is not importable ({exc}); install "
                 f"`pip install --no-deps -r .ci/sglang-requirements.txt`", allow_module_level=True)
 
-import sglang_stack  # noqa: E402
+from hicache_mp.bench.sglang import stack as sglang_stack  # noqa: E402
 
 SMALL = ["--round-mib", "2", "--page-mib", "0.125", "--layers", "2", "--heads", "4",
          "--head-dim", "64", "--timeout-s", "60"]
@@ -99,7 +99,7 @@ def test_ranks_in_separate_processes_split_the_node(tmp_path, monkeypatch):
     its own process with SGLang's controller; on a node of 8 cores the two
     take 2 workers each (8 - 2 x 2 for the schedulers' processes, halved),
     every page exact."""
-    import sglang_ranks
+    from hicache_mp.bench.sglang import ranks as sglang_ranks
     monkeypatch.setenv("HICACHE_MP_NODE_CORES", "8")
     monkeypatch.setenv("HICACHE_MP_NODE_DIR", str(tmp_path / "node"))  # this test's node only
     res = sglang_ranks.main(["--ranks", "2", *SMALL, "--runs", "1"])

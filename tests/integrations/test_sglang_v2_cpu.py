@@ -6,13 +6,13 @@ SGLang 0.5.23's servers build every host pool with its constructor default
 with it; CPU torch refuses pinned memory ("pin_memory=True requires a CUDA or
 other accelerator backend"). A backend that asks the pool for that page sees
 the error and every hybrid prefix misses. The pools here are SGLang's own
-classes (scripts/sglang_real_hybrid.py), their memory allocated unpinned (CPU
+classes (hicache_mp/bench/sglang/real_hybrid.py), their memory allocated unpinned (CPU
 torch cannot register host memory either) and then flagged as a server's are.
 """
 import pytest
 import torch
 
-import sglang_real_hybrid as real  # noqa: E402
+from hicache_mp.bench.sglang import real_hybrid as real  # noqa: E402
 
 from hybrid_stack import load_or_skip  # noqa: E402
 

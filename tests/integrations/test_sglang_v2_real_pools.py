@@ -2,7 +2,7 @@
 
 MambaPoolHost, MHATokenToKVPoolHost (KV and SWA), MLATokenToKVPoolHost (a
 DeepSeek V4 compressed pool) and DSAIndexerPoolHost, built on CPU with
-SGLang's shm allocator (scripts/sglang_real_hybrid.py; its docstring says what must be
+SGLang's shm allocator (hicache_mp/bench/sglang/real_hybrid.py; its docstring says what must be
 installed: .ci/sglang-stack-requirements.txt, no torchvision). Skipped, naming
 the missing module, where the pool classes cannot be imported.
 """
@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-import sglang_real_hybrid as real  # noqa: E402
+from hicache_mp.bench.sglang import real_hybrid as real  # noqa: E402
 
 from hybrid_stack import load_or_skip  # noqa: E402
 

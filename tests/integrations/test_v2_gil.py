@@ -3,7 +3,7 @@ batch_get_v2 / batch_exists_v2 / batch_set_v2 lets it go, but the one sleep
 of a batch (the wait for its pages, KV and sidecars together).
 
 On SGLang's real host pools (KV, Mamba, SWA, DSA indexer; shm allocator,
-zero-copy), through `released_in` (scripts/giltrace.py): a second thread
+zero-copy), through `released_in` (hicache_mp/bench/giltrace.py): a second thread
 counts in pure Python while the switch interval is 1 s, so it runs only
 while the call's thread has given the GIL up, and the C call during which it
 moved is named. Under a busy scheduler each such release costs the storage
@@ -13,13 +13,13 @@ import time
 
 import torch
 
-import sglang_real_hybrid as real  # noqa: E402
+from hicache_mp.bench.sglang import real_hybrid as real  # noqa: E402
 
 from hybrid_stack import load_or_skip  # noqa: E402
 
 S = load_or_skip()
 
-from giltrace import released_in  # noqa: E402
+from hicache_mp.bench.giltrace import released_in  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer  # noqa: E402
 
 from test_sglang_v2 import ALL, TRAIL, keys_for, make, page_bytes, tok_t  # noqa: E402,F401

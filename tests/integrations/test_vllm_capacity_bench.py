@@ -14,7 +14,7 @@ if importlib.util.find_spec("vllm") is None:
 def test_capacity_bench_stays_under_the_limit_and_keeps_new_pages(tmp_path):
     # main() in this process: the suite imported vLLM at collection (test_vllm_tier),
     # and a child of its own spent ~5 s of the test importing it again
-    import bench_vllm_capacity
+    from hicache_mp.bench.vllm import capacity as bench_vllm_capacity
     out = tmp_path / "capacity.json"
     assert bench_vllm_capacity.main(["--quick", "--gap-s", "0.25", "--eviction-interval-s", "0.1",
                                      "--store", str(tmp_path / "store"), "--json", str(out)]) == 0

@@ -292,7 +292,7 @@ def test_scheduler_calls_keep_the_gil(store):
     Jobs of 125 rows (one request's chunks each; the engine's bulk drain of a
     single op of thousands of pages is the engine's own test)."""
     from faultkit import workers_counted
-    from giltrace import released_in
+    from hicache_mp.bench.giltrace import released_in
     n, per = 2000, 125
     with tiering([ours(store)], row_bytes=4096, rows=2 * n) as (_, manager):
         tier = manager.secondary_tiers[0]
@@ -339,7 +339,7 @@ def test_a_poll_with_nothing_new_does_constant_work(store):
     get_finished_jobs() answers [] after one engine poll that drains nothing,
     keeps the GIL, and settles nothing; once the workers go on, every job
     reports, byte-exact."""
-    from giltrace import released_in
+    from hicache_mp.bench.giltrace import released_in
     n, per = 160, 4
     with tiering([ours(store)], rows=2 * n, row_bytes=4096) as (_, manager):
         tier = manager.secondary_tiers[0]
@@ -380,7 +380,7 @@ def test_bench_smoke(tmp_path, monkeypatch):
     of its own spent ~8 s of the test importing it again."""
     import json
 
-    import bench_vllm_tier
+    from hicache_mp.bench.vllm import tier as bench_vllm_tier
     from vllm.v1.kv_offload.tiering.fs import io, manager
     # the bench switches vLLM's fs tier between its C helper and Python (set_fs_c)
     monkeypatch.setattr(io, "_HAS_FSIO_C", io._HAS_FSIO_C)

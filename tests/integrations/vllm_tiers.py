@@ -18,7 +18,7 @@ from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from bench_vllm_tier import offloading_config  # noqa: F401  (one builder for bench and tests)
+from hicache_mp.bench.vllm.tier import offloading_config  # noqa: F401  (one builder for bench and tests)
 
 OURS = {"type": "HiCacheMPTier", "module_path": "hicache_mp.integrations.vllm"}
 STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())

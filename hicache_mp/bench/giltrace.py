@@ -2,7 +2,7 @@
 
 Two tools; neither changes what it watches:
 
-- `GilTracer` (the harnesses: scripts/sglang_stack.py, sglang_hybrid_check.py):
+- `GilTracer` (the harnesses: bench/sglang/stack.py, hybrid_check.py):
   `threading.setprofile` from before SGLang's threads start, so every
   thread but the scheduler's is watched. It records every C call that took
   over `call_ms` (1 ms) by call site, and every gap of over `gap_ms` (2 ms)
@@ -14,12 +14,12 @@ Two tools; neither changes what it watches:
   costs its thread up to a switch interval to win it back, so it shows here
   as a call of over 1 ms even when its own work took microseconds.
 
-- `released_in(fn)` (tests/test_gil_hold.py): which C calls inside `fn`
+- `released_in(fn)` (tests/test_gil_hold.py, the vLLM tier bench): which C calls inside `fn`
   let the GIL go, deterministically. A second thread counts in pure Python
   while the switch interval is long; it can only run while `fn`'s thread has
   given the GIL up, so a C call during which its counter moved released it.
 
-Owns no engine logic; imports nothing from the project.
+Owns no engine logic; imports nothing from the project, and must not.
 """
 from __future__ import annotations
 

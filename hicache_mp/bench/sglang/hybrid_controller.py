@@ -1,8 +1,8 @@
 """SGLang 0.5.23's real `HybridCacheController` over its real hybrid host pool
 group, assembled outside a server the way SGLang's hybrid_pool_assembler
-does it (for scripts/sglang_hybrid_rank.py).
+does it (for hicache_mp/bench/sglang/hybrid_rank.py).
 
-What is SGLang's own: the host pools (scripts/sglang_real_hybrid.py: the
+What is SGLang's own: the host pools (hicache_mp/bench/sglang/real_hybrid.py: the
 classes SGLang's `build_kv_host_pool` / `build_mamba_host_pool` /
 `DSAIndexerHostPoolBuilder` build, on the "shm" allocator), every
 `PoolEntry` (SGLang's `build_pool_entry`), the `HostPoolGroup`, and the
@@ -29,15 +29,14 @@ Stood in, device side only (no storage thread reads any of it):
 - no TP group (tp 1): the controller's all-reduces run over no groups.
 The radix cache's part (which transfers a prefetch or a backup carries,
 host staging at hit time) is the scheduler's, played by
-scripts/sglang_hybrid_rank.py. Owns no engine logic.
+hicache_mp/bench/sglang/hybrid_rank.py. Owns no engine logic.
 """
 from __future__ import annotations
 
 import os
 import sys
 import threading
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import sglang_real  # noqa: E402
+from hicache_mp.bench.sglang import real as sglang_real
 
 
 def layer_mappings(g: dict) -> tuple[dict, dict, int]:

@@ -1,5 +1,5 @@
 """One rank of scripts/sglang_hybrid_check.py: SGLang's real hybrid host pools
-and HybridCacheController (scripts/sglang_hybrid_controller.py: what is
+and HybridCacheController (hicache_mp/bench/sglang/hybrid_controller.py: what is
 SGLang's and what is stood in) on one backend, and the scheduler's side of
 a backup and of a prefetch round, as SGLang 0.5.23's UnifiedRadixCache
 plays it in the cache host-memory mode.
@@ -32,7 +32,7 @@ is compared with its `src` page, then zeroed and freed. The no-bytes
 floor's pools hold only the staging its rounds allocate (its backups name
 host slots it never reads). Owns no engine logic; the backend is built
 only by SGLang's factory (the dynamic config names
-`hicache_mp.integrations.sglang`.HiCacheMP or scripts/sglang_nobytes.py).
+`hicache_mp.integrations.sglang`.HiCacheMP or hicache_mp/bench/sglang/nobytes.py).
 """
 from __future__ import annotations
 
@@ -47,10 +47,9 @@ from array import array
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import sglang_hybrid_controller as HC  # noqa: E402
-import sglang_real  # noqa: E402
-import sglang_real_hybrid as RH  # noqa: E402
+from hicache_mp.bench.sglang import hybrid_controller as HC
+from hicache_mp.bench.sglang import real as sglang_real
+from hicache_mp.bench.sglang import real_hybrid as RH
 
 COUNTED = ("batch_exists", "batch_exists_v2", "batch_get_v1", "batch_get_v2", "batch_set_v1",
            "batch_set_v2")

@@ -16,7 +16,10 @@ per batch for its I/O, SGLang's hand-offs and that one wait, nothing else.
 """
 import time
 
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolName, PoolTransferResult
+try:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolName, PoolTransferResult
+except ImportError as exc:  # the floor is an SGLang backend: nothing to stand without it
+    raise ImportError(f"hicache_mp.bench.sglang.nobytes needs SGLang: {exc}") from exc
 
 
 def _pages(transfer) -> int:

@@ -1,5 +1,5 @@
 """SGLang 0.5.23's real host pools and HiCacheController, importable and built
-outside a server (for scripts/sglang_stack.py and tests/integrations/).
+outside a server (for the stack harnesses beside this module and tests/integrations/).
 
 Owns two things: (1) making SGLang's host-pool/controller import chain load
 where torchvision is missing or does not match torch, and (2) building a real
@@ -210,12 +210,7 @@ def mp_extra(storage_dir: str, **keys) -> dict:
 
 
 def nobytes_extra(class_name: str = "NoBytes", name: str = "nobytes") -> dict:
-    """sglang_nobytes's NoBytes (or Sleeping, as `name` "sleeping")."""
-    return {"backend_name": name, "module_path": "sglang_nobytes", "class_name": class_name,
+    """nobytes's NoBytes (or Sleeping, as `name` "sleeping")."""
+    return {"backend_name": name, "module_path": "hicache_mp.bench.sglang.nobytes", "class_name": class_name,
             "interface_v1": 1}
 
-
-def add_scripts_to_path() -> None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    if here not in sys.path:
-        sys.path.insert(0, here)

@@ -1,7 +1,7 @@
 """SGLang 0.5.23's REAL hybrid host pools, built outside a server (on CPU too),
 for scripts/sglang_hybrid_check.py and tests/integrations/test_sglang_v2_real_pools.py.
 
-The import chain is scripts/sglang_real.py's (`import_stack()`: transformers
+The import chain is hicache_mp/bench/sglang/real.py's (`import_stack()`: transformers
 and the modules of .ci/sglang-stack-requirements.txt, and a placeholder for
 torchvision's import-time-only uses where no torchvision loads). On top of
 it this module imports and builds the sidecar pools: `MambaPoolHost`,
@@ -14,7 +14,7 @@ The DSA indexer host pool reads only attributes of its device pool
 attributes on CPU tensors, as an instance of a `DSATokenToKVPool` subclass
 whose `__init__` allocates nothing (a real one wants 64-token pages, a
 128-dim indexer and CUDA kernels), so that it also stands for the device KV
-pool of scripts/sglang_hybrid_controller.py's controller. Every other object
+pool of hicache_mp/bench/sglang/hybrid_controller.py's controller. Every other object
 here is SGLang's own class.
 """
 import os
@@ -23,8 +23,7 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import sglang_real  # noqa: E402
+from hicache_mp.bench.sglang import real as sglang_real
 
 
 def load() -> SimpleNamespace:
