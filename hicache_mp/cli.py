@@ -98,6 +98,7 @@ from .bench.sim.bench import (ALL_RUNS, SLEEP0, Bench, BenchConfig, busy_machine
 from .bench.sim.plot import plot_report
 from .bench.sim.summary import format_comparison, format_summary, format_verdict
 from .config import add_engine_flags, engine_options
+from .integrations.common.identity import model_identity
 from .integrations.sglang.layouts import RAW_LAYOUTS
 from .integrations.sglang.store_import import import_sglang_store, shards_for
 
@@ -200,6 +201,15 @@ def _import_sglang_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True,
                    help="the model name SGLang used (--served-model-name / model path, as in the "
                         "file names with '/' replaced by '-')")
+    p.add_argument("--model-path", default=None,
+                   help="the weights the pages belong to, as the server that reads them is "
+                        "given them (--model-path: a local directory, fingerprinted, or a hub "
+                        "id); default --model (decision 91)")
+    p.add_argument("--revision", default=None, help="the server's --revision (hub ids)")
+    p.add_argument("--served-model-name", default=None, help="the server's --served-model-name")
+    p.add_argument("--weight-version", default=None, help="the server's --weight-version")
+    p.add_argument("--namespace", default=None,
+                   help='the backend\'s "namespace" extra-config key, where it is set')
     p.add_argument("--tp-size", type=int, default=1, help="SGLang tensor-parallel size")
     p.add_argument("--tp-rank", type=int, default=None, help="import one TP rank (default: all)")
     p.add_argument("--pp-size", type=int, default=1, help="SGLang pipeline-parallel size")
@@ -231,7 +241,12 @@ def cmd_import_sglang(args, argv=None) -> int:
                             head_dim=args.head_dim, page_size=args.page_size, dtype=args.dtype,
                             mla=args.mla)
     shards = shards_for(args.model, tp_size=args.tp_size, tp_rank=args.tp_rank,
-                        pp_size=args.pp_size, pp_rank=args.pp_rank, mla=args.mla)
+                        pp_size=args.pp_size, pp_rank=args.pp_rank, mla=args.mla,
+                        identity=model_identity(args.model_path or args.model,
+                                                revision=args.revision,
+                                                served_name=args.served_model_name,
+                                                weight_version=args.weight_version,
+                                                namespace=args.namespace))
     print(f"import-sglang: {args.src} ({args.layout}, {geometry.page_bytes} bytes per page) -> "
           f"{args.dst}", flush=True)
     report = import_sglang_store(args.src, args.dst, geometry, args.layout, shards,

@@ -23,8 +23,12 @@ def namespace(model: str, geometry_fingerprint: bytes, *, tp_rank: int = 0, tp_s
     """The namespace a store's keys live in: model, TP rank/size and geometry.
 
     Two engines whose namespaces differ can share a directory without ever
-    reading each other's pages.
+    reading each other's pages. The model's '%' and '|' are escaped, so no
+    two (model, extra) pairs give one namespace (a model name holding
+    "|tp0of1|..." cannot pass for another's extra); a name without them is
+    kept as it is, and so are the stores written under it.
     """
+    model = model.replace("%", "%25").replace("|", "%7C")
     return f"{model}|tp{tp_rank}of{tp_size}|{geometry_fingerprint.hex()}|{extra}"
 
 

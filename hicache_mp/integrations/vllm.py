@@ -54,7 +54,7 @@ from ..config import parse_value, setting, settings
 from ..core import EngineClosed
 from ..engine import PrefetchEngine
 from .common import RegionNotShared, check_known, engine_config, engine_key, engine_keys, \
-    file_region, open_region, own_settings, settable_keys, wait_or_abandon
+    file_region, model_identity, open_region, own_settings, settable_keys, wait_or_abandon
 from .vllm_import import JobResult, Locality, LookupResult, Medium, OffloadingEvent, \
     RequestOffloadingContext, SecondaryTierManager, TransferJob
 from .vllm_lookup import Lookups
@@ -382,10 +382,14 @@ class HiCacheMPTier(SecondaryTierManager):
 def namespace(offloading_spec) -> dict:
     """The engine's key namespace for this vLLM instance: vLLM's own FileMapper
     identity (what decides whether its `fs` tier shares a directory), taken
-    parallelism-agnostic as vLLM's `fs` tier takes it."""
+    parallelism-agnostic as vLLM's `fs` tier takes it, and the weights' identity
+    (common.identity, decision 91): vLLM's name is the model path, which two
+    models served from one path share."""
     from vllm.v1.kv_offload.file_mapper import FileMapper  # vLLM's engine has it loaded
     fm = FileMapper.from_offloading_spec(root_dir="", offloading_spec=offloading_spec,
                                          blocks_per_file=offloading_spec.blocks_per_chunk,
                                          parallel_agnostic=True)
-    return {"model_name": offloading_spec.config.model.name,
-            "namespace_extra": f"vllm:{os.path.basename(fm.base_path)}_r{fm.rank}"}
+    name = offloading_spec.config.model.name
+    return {"model_name": name,
+            "namespace_extra": f"vllm:{os.path.basename(fm.base_path)}_r{fm.rank}"
+                               f"|id={model_identity(name)}"}

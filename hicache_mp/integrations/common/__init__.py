@@ -7,9 +7,11 @@
     waits     wait for an op, abandon it past a timeout
     stats     per-adapter counters and per-call figures
     mapping   which shared file backs a buffer, for zero-copy pools
+    identity  what identifies a model's weights in the key namespace
 
 Must not import a framework, start an engine on its own, or move page bytes.
 """
+from .identity import model_identity
 from .keys import engine_key, engine_keys, leading
 from .mapping import FileRegion, RegionNotShared, file_region, open_region
 from .options import check_known, engine_config, own_settings, settable_keys
@@ -19,4 +21,4 @@ from .waits import wait_or_abandon
 
 __all__ = ["engine_key", "engine_keys", "leading", "FileRegion", "RegionNotShared",
            "file_region", "open_region", "check_known", "engine_config", "own_settings",
-           "settable_keys", "Slots", "CallStats", "wait_or_abandon"]
+           "settable_keys", "Slots", "CallStats", "wait_or_abandon", "model_identity"]

@@ -17,7 +17,9 @@ hicache_mp's (header + canonical payload), so a store is valid for any host
 layout; `hicache-mp import-sglang` converts an SGLang `file` store.
 
 Key namespace: SGLang's `HiCacheFile` suffix rules (`names`): model name; TP
-rank/size unless MLA (MLA ranks share pages); PP, CP and DCP suffixes. Tested
+rank/size unless MLA (MLA ranks share pages); PP, CP and DCP suffixes; and
+the weights' identity (`server_identity`, decision 91), so two models served
+from one path never share pages. Tested
 with SGLang 0.5.23 (`.ci/sglang-requirements.txt`).
 """
 from __future__ import annotations
@@ -46,8 +48,8 @@ from workers.stores import open_store
 
 from ...config import EngineConfig
 from ...engine import PrefetchEngine
-from ..common import CallStats, check_known, engine_config, leading, own_settings, \
-    wait_or_abandon
+from ..common import CallStats, check_known, engine_config, leading, model_identity, \
+    own_settings, wait_or_abandon
 from .hybrid import HybridPools, SidecarRefused
 from .indices import all_ok, host_pages, missing
 from .names import SGLangShard
@@ -96,6 +98,27 @@ def storage_metrics(calls: dict):
     return None
 
 
+def server_identity(storage_config, extra: dict) -> str:
+    """The weights' identity for the key namespace (common.identity): the
+    extra config's `namespace` if set, else from SGLang's server args (model
+    path, revision, served model name, weight version) where this process has
+    them, else from the storage config's model name (SGLang passes the model
+    path)."""
+    if extra.get("namespace"):
+        return model_identity(None, namespace=extra["namespace"])
+    args = None
+    try:
+        from sglang.srt.runtime_context import get_server_args
+        args = get_server_args()
+    except Exception:   # outside a server, or another SGLang version
+        args = None
+    path = getattr(args, "model_path", None) or getattr(storage_config, "model_name", None)
+    served = getattr(args, "served_model_name", None)
+    return model_identity(path, revision=getattr(args, "revision", None),
+                          served_name=None if served == path else served,
+                          weight_version=getattr(args, "weight_version", None))
+
+
 def node_ranks(shard: SGLangShard) -> int:
     """This server's ranks on this node, one engine each: they share the node's
     auto worker budget (decision 42). TP x PP ranks, at most one per local GPU."""
@@ -136,7 +159,8 @@ class HiCacheMP(HiCacheStorage):
     def __init__(self, storage_config, kwargs=None):
         self.storage_config = storage_config
         self.extra = dict(getattr(storage_config, "extra_config", None) or {})
-        self.shard = SGLangShard.from_storage_config(storage_config)
+        self.shard = SGLangShard.from_storage_config(storage_config,
+                                                     server_identity(storage_config, self.extra))
         self.is_mla = self.shard.is_mla
         self.storage_dir = storage_dir(self.extra)
         self.own = own_settings(AdapterConfig, self.extra)

@@ -14,7 +14,11 @@ suffix (0.5.23, `mem_cache/hicache_storage.py`):
 
 An SGLang `file` store names a page `<key><suffix>.bin`. hicache_mp puts the
 same facts into `EngineConfig.model_name / tp_rank / tp_size / namespace_extra`
-(MLA ranks all use tp 0 of 1, so they share pages). Must not open files.
+(MLA ranks all use tp 0 of 1, so they share pages), with two differences
+(decision 91): the model name is kept as it is, not with '/' turned into
+'-' (`acme/llama-8b` and `acme-llama/8b` stay apart), and the weights'
+identity (common.identity, computed by the caller) joins the namespace, so
+two models served from one path never share pages. Must not open files.
 """
 from dataclasses import dataclass
 
@@ -32,9 +36,10 @@ class SGLangShard:
     dcp_rank: int = 0
     dcp_size: int = 1
     logical_page_size: int | None = None
+    identity: str = ""      # common.identity.model_identity: the weights behind model_name
 
     @classmethod
-    def from_storage_config(cls, cfg) -> "SGLangShard":
+    def from_storage_config(cls, cfg, identity: str = "") -> "SGLangShard":
         """From an SGLang `HiCacheStorageConfig` of any version (missing fields: defaults)."""
         def get(name, default):
             value = getattr(cfg, name, default)
@@ -45,7 +50,8 @@ class SGLangShard:
                    attn_cp_rank=get("attn_cp_rank", 0), attn_cp_size=get("attn_cp_size", 1),
                    is_mla=bool(get("is_mla_model", False)),
                    dcp_rank=get("dcp_rank", 0), dcp_size=get("dcp_size", 1),
-                   logical_page_size=getattr(cfg, "logical_page_size", None))
+                   logical_page_size=getattr(cfg, "logical_page_size", None),
+                   identity=identity)
 
     @property
     def model(self) -> str:
@@ -77,5 +83,8 @@ class SGLangShard:
     def engine_names(self) -> dict:
         """EngineConfig fields: model_name, tp_rank, tp_size, namespace_extra."""
         tp_rank, tp_size = (0, 1) if self.is_mla else (self.tp_rank, self.tp_size)
-        return {"model_name": self.model or "default", "tp_rank": tp_rank, "tp_size": tp_size,
-                "namespace_extra": "sglang" + self.shard_suffix + self.dcp_suffix}
+        extra = "sglang" + self.shard_suffix + self.dcp_suffix
+        if self.identity:
+            extra += "|id=" + self.identity
+        return {"model_name": self.model_name or "default", "tp_rank": tp_rank,
+                "tp_size": tp_size, "namespace_extra": extra}

@@ -39,6 +39,11 @@ class AdapterConfig:
         True, "payload checksums on sidecar pools: written on every set, required on every "
         "get (a page without one or with a bad one is a miss); false: the engine's "
         "write_checksum / require_checksum", sglang=True)
+    namespace: str = setting(
+        "", "the key namespace's model identity, set by the operator: servers with the same "
+        "value (and model name, ranks, geometry) share pages, whatever their weights; empty: "
+        "the weights' identity (config and sampled weight files of a local model directory, "
+        "hub id and revision, served model name, weight version)", sglang=True)
     probe_wait_s: float = setting(0.1, "batch_exists waits up to this long for the workers' "
                                   "answers about keys the index does not know (pages other "
                                   "engines or nodes wrote); 0: answer from the index, later "

@@ -61,15 +61,18 @@ class ImportReport:
 
 
 def shards_for(model: str, *, tp_size: int = 1, tp_rank: int | None = None, pp_size: int = 1,
-               pp_rank: int | None = None, mla: bool = False) -> list[SGLangShard]:
-    """The SGLang shards to import: one rank, or all of them when a rank is None."""
+               pp_rank: int | None = None, mla: bool = False,
+               identity: str = "") -> list[SGLangShard]:
+    """The SGLang shards to import: one rank, or all of them when a rank is None.
+    `identity`: the weights' (common.identity.model_identity, decision 91), the
+    one the backend computes for the server that will read the pages."""
     tps = [0] if mla else ([tp_rank] if tp_rank is not None else list(range(tp_size)))
     pps = [pp_rank] if pp_rank is not None else list(range(pp_size))
     for r, n, what in ((tp_rank, tp_size, "tp"), (pp_rank, pp_size, "pp")):
         if r is not None and not 0 <= r < n:
             raise ValueError(f"--{what}-rank {r} is out of range for --{what}-size {n}")
     return [SGLangShard(model_name=model, tp_rank=t, tp_size=tp_size, pp_rank=p, pp_size=pp_size,
-                        is_mla=mla) for p in pps for t in tps]
+                        is_mla=mla, identity=identity) for p in pps for t in tps]
 
 
 def import_sglang_store(src: str, dst: str, geometry: PageGeometry, src_layout: str,
