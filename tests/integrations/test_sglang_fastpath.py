@@ -13,6 +13,7 @@ flight). Then SGLang's failure injector over the fast path, install() applied
 and refused, and the upstream patch: it is what install() does, and it
 applies to a copy of SGLang's installed sources."""
 import hashlib
+import itertools
 import os
 import shutil
 import subprocess
@@ -151,3 +152,141 @@ def test_dense_same_as_stock(tmp_path, backend):
     # the fast path's ack hop is gone: its sync thread has exited, the others run
     assert "prefetch_sync_thread_func" in stock[3] and len(stock[3]) == 4
     assert fast[3] == sorted(set(stock[3]) - {"prefetch_sync_thread_func"})
+
+
+# --- hybrid: HybridCacheController, batch_exists_v2 / batch_get_v2 ----------------------
+def hybrid_run(geom, store, policies):
+    from hicache_mp.bench.sglang import hybrid_rank, real_hybrid
+    S = real_hybrid.load()
+    hybrid_rank._ids = itertools.count(1)   # the same token ids (so keys) in every run
+    r = hybrid_rank.Rank(S, real_hybrid.geometry(geom, tiny=True), "mp", store, requests=1,
+                         max_pages=4, workers=1)
+    out = {}
+    try:
+        assert r.backup(4, Scheduler(False), 30)
+        for policy in policies:
+            ctl, deadline, sched = r.ctl, time.monotonic() + 30, Scheduler(False)
+            gate = Gate(ctl, "batch_get_v1", 1) if policy != "wait_complete" else None
+            key = r.prefix(4, 0)[0]
+            handle = r.Handle(rid=f"h-{policy}", attempt_id=0)
+            ctl.prefetch(handle, key, None, None, extra_pools=r._prefetch_transfers() or None)
+            op = sched.get(ctl.prefetch_hit_queue, deadline)
+            assert r._stage(op)
+            if gate is not None:   # terminated (best_effort: scheduled; timeout: deadline)
+                assert gate.arrived.wait(10)   # while its KV batch is in flight
+                ctl.terminate_prefetch(op)
+                gate.go.set()
+            acks = []
+            while not acks or not acks[-1][2]:
+                a = sched.get(ctl.ack_prefetch_queue, deadline)
+                acks.append((a.completed_tokens, dict(a.pool_hits) if a.pool_hits is not None
+                             else None, bool(a.completed_req)))
+            slots = {"kv": op.host_indices.tolist()}
+            for t in op.pool_transfers or ():
+                if t.host_indices is not None and not t.indices_from_pool:
+                    slots[t.name.value] = t.host_indices.tolist()
+            if policy == "wait_complete":   # every KV and sidecar page checked, then freed
+                r.finish(4, {handle.rid: [0, op, acks[0][0]]}, policy)
+            else:   # the sidecar was skipped by design: its staging only freed
+                r.group.free(op.host_indices)
+                for t in op.pool_transfers or ():
+                    if t.host_indices is not None and not t.indices_from_pool:
+                        r.group.get_pool(t.name).free(t.host_indices)
+            out[policy] = (acks, slots)
+        out["wrong"], out["checked"] = r.wrong, r.checked
+        out["files"] = store_files(store)
+    finally:
+        r.close()
+    return out
+
+
+@pytest.mark.parametrize("geom", ["mamba", "swa", "dsa"])
+def test_hybrid_same_as_stock(tmp_path, geom):
+    policies = ("wait_complete", "best_effort")
+    stock = hybrid_run(geom, str(tmp_path / "stock"), policies)
+    fastpath.install()
+    fast = hybrid_run(geom, str(tmp_path / "fast"), policies)
+    for p in policies:
+        assert stock[p] == fast[p], p
+    assert stock["wrong"] == fast["wrong"] == 0 and stock["checked"] == fast["checked"] > 0
+    assert stock["files"] == fast["files"] and stock["files"]
+    acks = stock["wait_complete"][0]
+    assert acks[-1] == (None, None, True) and acks[0][0] > 0   # all 4 KV pages
+    side = {"mamba": "mamba", "swa": "swa", "dsa": None}[geom]
+    if side:   # the sidecar's ack: every pool named, its own hit counted
+        assert acks[1][1][side] > 0
+    # terminated while the KV batch was in flight: the batch lands, the sidecar is skipped
+    assert all(v == 0 for v in stock["best_effort"][0][-2][1].values())
+
+
+# --- SGLang's failure injector over the fast path ----------------------------------------
+def test_failure_injector_over_the_fast_path(tmp_path):
+    """Random failures and delays on every backend call (SGLang's
+    HiCacheStorageFailureInjector): every round ends, a short read is a leading
+    prefix, and every page it reports landed is exact."""
+    fastpath.install()
+    args = sglang_stack.parse(["--round-mib", "0.25", "--page-mib", "0.0078125", "--layers",
+                               "2", "--heads", "4", "--head-dim", "64", "--workers", "1",
+                               "--timeout-s", "30", "--inject-rounds", "6",
+                               "--inject-failure", "0.4", "--inject-delay", "0.002"])
+    out = sglang_stack.injector_run(SGL, args, str(tmp_path))
+    assert out["wrapped"] == "HiCacheStorageFailureInjector"
+    assert len(out["read_tokens"]) == 6 and out["wrong_pages"] == 0
+    assert out["checked_pages"] == sum(out["read_tokens"]) // args.page_size
+
+
+# --- install(): applied, idempotent, undone, refused -------------------------------------
+def test_install_applies_and_refuses():
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import \
+        HybridCacheController
+    stock = HiCacheController._reduce_prefetch_ack
+    with pytest.raises(fastpath.FastPathVersionError, match="0.5.23 only; this is SGLang 0.5.24"):
+        fastpath.install(version="0.5.24")
+    assert HiCacheController._reduce_prefetch_ack is stock and not fastpath.installed()
+    changed = fastpath.install()
+    assert sorted(changed) == sorted(
+        [f"replaced sglang.srt.managers.cache_controller.HiCacheController.{m}" for m in
+         ("_page_transfer", "prefetch_io_aux_func", "prefetch_sync_thread_func",
+          "_sync_prefetch_hit_query", "_reduce_prefetch_ack")] +
+        ["added sglang.srt.managers.cache_controller.HiCacheController._publish_prefetch_ack"] +
+        [f"replaced sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller."
+         f"HybridCacheController.{m}" for m in
+         ("_page_transfer_sidecar", "_reduce_prefetch_ack", "prefetch_sync_thread_func")] +
+        ["added sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller."
+         "HybridCacheController._publish_prefetch_ack"])
+    assert fastpath.install() == []   # idempotent
+    fn = HybridCacheController._reduce_prefetch_ack
+    # runs as if written in SGLang's module: its names, and super() of the hybrid class
+    assert fn.__globals__ is HybridCacheController.__init__.__globals__
+    assert fn.__closure__[0].cell_contents is HybridCacheController
+    assert len(fastpath.uninstall()) == len(changed)
+    assert HiCacheController._reduce_prefetch_ack is stock
+    assert not hasattr(HiCacheController, "_publish_prefetch_ack")
+
+
+# --- the upstream patch -------------------------------------------------------------------
+def test_patch_is_install_and_applies(tmp_path):
+    """The shipped patch is what install() does (generated from the same
+    methods) and applies cleanly to a copy of SGLang 0.5.23's installed sources;
+    the patched files compile and hold install()'s methods."""
+    from hicache_mp.integrations.sglang import fastpath_methods
+    with open(PATCH) as f:
+        assert f.read() == fastpath.patch_text(SITE), \
+            "stale patch: run python3 scripts/sglang_fastpath_patch.py"
+    rels = [m.replace(".", "/") + ".py" for m, *_ in fastpath_methods.TARGETS]
+    for rel in rels:
+        os.makedirs(tmp_path / os.path.dirname(rel), exist_ok=True)
+        shutil.copy(os.path.join(SITE, rel), tmp_path / rel)
+    tool = shutil.which("patch")
+    cmd = ([tool, "-p1", "--dry-run", "-i", PATCH] if tool else
+           ["git", "apply", "--check", "-p1", PATCH])
+    subprocess.run(cmd, cwd=tmp_path, check=True, capture_output=True)
+    subprocess.run([tool, "-p1", "-s", "-i", PATCH] if tool else ["git", "apply", "-p1", PATCH],
+                   cwd=tmp_path, check=True, capture_output=True)
+    for (mod, cls, holder, anchor), rel in zip(fastpath_methods.TARGETS, rels):
+        text = (tmp_path / rel).read_text()
+        compile(text, rel, "exec")
+        with open(os.path.join(SITE, rel)) as f:
+            assert text == fastpath.patched_source(f.read(), cls, holder, anchor)
+        assert "hicache_mp" not in text   # every backend gains; nothing of ours in it
