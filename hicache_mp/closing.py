@@ -162,8 +162,9 @@ class Closing:
             if self._closed:
                 return _flush_report(0, 0, 0.0, "closed already")
             asleep = me in self._sleepers
-            writes = [op for op in self._ops.values() if op.kind == WRITE and not op.done]
-            for op in list(self._ops.values()):
+            ops = self._ledger.ops()
+            writes = [op for op in ops if op.kind == WRITE and not op.done]
+            for op in ops:
                 if op.kind == READ and not op.done:
                     op._cancel()
                     self._cancel_io(op)
@@ -234,11 +235,12 @@ class Closing:
                     if not self._released:  # else a nested close() released it under us
                         error = exc
                 now = time.perf_counter_ns()
-                for op in list(self._ops.values()):
+                ledger = self._ledger
+                for op in ledger.ops():
                     op._cancel()
                     try:
                         for pos in np.flatnonzero(op.page_status == st.PENDING):
-                            self._apply(op, int(pos), st.CANCELLED, 0, 0, now)
+                            ledger.apply(op, int(pos), st.CANCELLED, 0, 0, now)
                     except Exception as exc:
                         # An op caught half-made (this close() interrupted the
                         # prefetch() or backup() making it on this thread) is

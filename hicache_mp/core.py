@@ -1,14 +1,16 @@
 """EngineCore: the scheduler-side half shared by the `mp` engine and the `file` baseline.
 
-Owns the key namespace, the table of ops in flight, starting an op
-(host-slot reservations, pins, the backup budget), cancel, poll, blocking
+Owns the key namespace, the engine's lock and open/closed flags, starting
+an op (input checks, then the books' admission), cancel, poll, blocking
 waits and metrics; with its mixins, the exists index's calls
-(hicache_mp.lookups), completion bookkeeping (hicache_mp.books), close()
-(hicache_mp.closing) and process ownership, a forked child's refusal
-(hicache_mp.ownership); the input checks are hicache_mp.checks. Must not
-move page bytes: subclasses hand records to their I/O (worker processes for
-`mp`, a Python thread for `file`) and feed completions back through
-`_apply`.
+(hicache_mp.lookups), close() (hicache_mp.closing) and process ownership, a
+forked child's refusal (hicache_mp.ownership); the input checks are
+hicache_mp.checks. The books themselves (ops in flight, slots, pins,
+counts, the landed order, the backup budget) are one object,
+hicache_mp.ledger.OpLedger (`_ledger`), changed only through its rules and
+under the lock. Must not move page bytes: subclasses hand records to their
+I/O (worker processes for `mp`, a Python thread for `file`) and feed
+completions back through the ledger.
 
 Host slots named in an op are reserved from submit until the op is `done`
 (every page accounted for), because an I/O may still be writing into them;
@@ -20,7 +22,7 @@ pages of a backup that do not fit end at once with status DROPPED (counted in
 write-back that cannot keep up is thus shed at the door, never queued, and
 `backup()` never waits.
 
-Pages of ops in flight are pinned (`_pins`, a counting table by digest;
+Pages of ops in flight are pinned (the ledger's pins, a counting table by digest;
 workers.control): the evictor never removes a pinned page. One vectorised add
 per op and one decrement per completed page, no syscalls.
 """
@@ -28,21 +30,18 @@ import math
 import threading
 import time
 
-import numpy as np
-
-from shm import PageGeometry, gilkeep
+from shm import PageGeometry
 from workers import naming
 from workers import status as st
-from workers.control import PIN_SLOTS, pin_slots
 from workers.stores import open_store
 from workers.timing import ABANDON_GRACE_S, WAIT_SLICE_S
 
-from .books import Books
 from .checks import check_pages, check_pool_size, check_timeout
 from .closing import Closing, EngineClosed, EngineForked
 from .config import POLICIES, EngineConfig
 from .discovery import Discovery
 from .index import StoreIndex
+from .ledger import OpLedger
 from .lookups import Lookups
 from .ops import READ, WRITE, Op
 from .ownership import Ownership
@@ -50,7 +49,7 @@ from .ownership import Ownership
 __all__ = ["EngineCore", "EngineClosed", "EngineForked", "check_timeout"]
 
 
-class EngineCore(Lookups, Books, Closing, Ownership):
+class EngineCore(Lookups, Closing, Ownership):
     backend = "?"
 
     def __init__(self, config: EngineConfig, geometry: PageGeometry):
@@ -67,37 +66,19 @@ class EngineCore(Lookups, Books, Closing, Ownership):
         self._index = StoreIndex(self._store)
         self._index.scan()
         self._lock = threading.RLock()
-        self._ops: dict[int, Op] = {}
-        self._next_id = 1
-        # A slot is busy while an I/O may still write it (`_reserved`, per page;
-        # the mp engine also fences the slots of a stuck worker's pages there) and
-        # while its op is not done (`_slot_op`: the op's id, until it retires).
-        self._reserved = np.zeros(config.host_pool_pages, dtype=bool)
-        self._slot_op = np.zeros(config.host_pool_pages, dtype=np.int64)
+        # The books (ops in flight, slots, pins, counts, the landed order):
+        # one object, changed only through its rules, under the lock.
+        self._ledger = OpLedger(config.host_pool_pages, config.resolved_backup_budget(),
+                                self._index)
         self._closed = False
         self._released = False         # segments gone: nothing may touch the pool now
         self._init_ownership()         # this process's, until a fork (hicache_mp.ownership)
         self._closing = False          # close() is flushing backups: no new work
         self._init_closing()           # close(), the sleepers (hicache_mp.closing)
-        self._logged_causes: set = set()
         self._start_ns = time.perf_counter_ns()
         self._last_rescan = time.monotonic()
-        self._counts = {READ: np.zeros(len(st.NAMES), dtype=np.int64),
-                        WRITE: np.zeros(len(st.NAMES), dtype=np.int64)}
-        self._busy_ns = {READ: 0, WRITE: 0}
-        self._busy_since = {READ: 0, WRITE: 0}
-        self._in_flight = {READ: 0, WRITE: 0}
         self._poll_calls = 0
         self._lazy_skips = 0      # lazy polls that drained nothing (decision 88)
-        self._write_pages = 0          # host pages held by backups in flight (the budget's count)
-        self._backup_budget = config.resolved_backup_budget()
-        self._pins = np.zeros(PIN_SLOTS, dtype=np.uint64)  # the mp engine shares its own
-        self._seq = 0                  # completions seen, in order (Op.landed_seq; may skip)
-        # Worker completions drained (probes aside): what the workers' PAGES words
-        # sum to once everything pushed is drained. Pages the engine settles
-        # itself (cancelled, dropped, failed with a dead worker) count in _seq
-        # only, so a wake-up target must not be built on _seq (control: WAKE_AT).
-        self._worker_pages = 0
         self.loader = None
         self._discovery = Discovery()
         self._own()
@@ -248,20 +229,11 @@ class EngineCore(Lookups, Books, Closing, Ownership):
         with self._lock:
             now = time.perf_counter_ns()
             out = {"backend": self.backend, "workers": self._num_workers(),
-                   "index_pages": len(self._index), "ops_in_flight": len(self._ops),
+                   "index_pages": len(self._index),
                    "stale_tmp_removed": self._index.stale_tmp_removed,
-                   "pages_in_flight": int(self._reserved.sum()), "poll_calls": self._poll_calls,
+                   "poll_calls": self._poll_calls,
                    "page_bytes": self.geometry.page_bytes, "lazy_polls_skipped": self._lazy_skips}
-            for kind in (READ, WRITE):
-                counts = self._counts[kind]
-                busy = self._busy_ns[kind] + (now - self._busy_since[kind] if self._in_flight[kind] else 0)
-                nbytes = int(counts[st.OK]) * self.geometry.page_bytes
-                out[f"{kind}_pages_ok"] = int(counts[st.OK])
-                out[f"{kind}_bytes"] = nbytes
-                out[f"{kind}_busy_s"] = busy / 1e9
-                out[f"{kind}_gbps"] = nbytes / busy if busy else 0.0
-                out[f"{kind}_status"] = {st.NAMES[i]: int(c) for i, c in enumerate(counts) if c}
-            out["misses"] = int(sum(self._counts[READ][c] for c in st.READ_MISSES))
+            out.update(self._ledger.metrics(now, self.geometry.page_bytes))
             out.update(self._io_metrics(now))
             out["close"] = self._close_report
             return out
@@ -275,6 +247,11 @@ class EngineCore(Lookups, Books, Closing, Ownership):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def outcomes_applied(self) -> int:
+        """Page outcomes applied to ops so far, engine-wide: moves whenever any
+        op advances (an attached DeviceLoader's one compare per poll)."""
+        return self._ledger.seq
 
     # --- shared bookkeeping -------------------------------------------------
     def _start(self, kind, keys, host_pages, policy, timeout_s) -> Op:
@@ -298,36 +275,16 @@ class EngineCore(Lookups, Books, Closing, Ownership):
             if self._closed or self._closing:
                 raise EngineClosed("engine is closed")
             self._check_accepting()
-            if len(pages):
-                busy = gilkeep.take(self._reserved, pages) | (gilkeep.take(self._slot_op, pages) != 0)
-                if gilkeep.any_(busy):
-                    raise ValueError(f"host pages {pages[busy][:8].tolist()} belong to an op "
-                                     f"still in flight")
-            op = Op(self._next_id, kind, keys, pages, digests, self.geometry.page_bytes,
+            ledger = self._ledger
+            ledger.check_free(pages)
+            op = Op(ledger.new_id(), kind, keys, pages, digests, self.geometry.page_bytes,
                     policy or self.config.prefetch_policy,
                     self.config.prefetch_timeout_s if timeout_s is None else timeout_s)
-            self._next_id += 1
             if op.num_pages == 0:
                 return op
-            gilkeep.set_at(self._reserved, pages, True)
-            gilkeep.set_at(self._slot_op, pages, op.id)
-            self._ops[op.id] = op
-            if self._in_flight[kind] == 0:
-                self._busy_since[kind] = op.submit_ns
-            self._in_flight[kind] += 1
             op.digest_bytes = b"".join(digests)  # the pins' and the records' (striping) source
-            op.pin_slots = pin_slots(op.digest_bytes)
-            op.pins_unique = not gilkeep.repeats(op.pin_slots)  # once: its drains skip it
-            gilkeep.add_at(self._pins, op.pin_slots, 1, unique=op.pins_unique)
-            if kind == WRITE:
-                room = max(0, self._backup_budget - self._write_pages)
-                self._write_pages += op.num_pages
-                if room < op.num_pages:
-                    now = time.perf_counter_ns()
-                    for pos in range(room, op.num_pages):  # the tail; the leading pages go
-                        self._apply(op, pos, st.DROPPED, 0, 0, now)
-                    if op.done:
-                        return op
+            if not ledger.admit(op, time.perf_counter_ns()):
+                return op
             self._submit(op)
             return op
 

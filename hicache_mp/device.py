@@ -209,13 +209,13 @@ class DeviceLoader(Copies):
         if eng is None or getattr(eng, "loader", None) is not self:
             return self._advance_all()
         # Driven by the engine's poll() (attach_loader): every page outcome the
-        # engine applies to an op bumps its completion count (EngineCore._seq,
-        # hicache_mp.books), always under its lock, which poll() holds here. With
-        # no outcome since the last look, no load has a page to issue or has
+        # engine applies to an op bumps its completion count
+        # (EngineCore.outcomes_applied, hicache_mp.ledger), always under its
+        # lock, which poll() holds here. With no outcome since the last look, no load has a page to issue or has
         # ended: one compare, however many loads are in flight (a scheduler
         # polls far more often than pages land; decision 83).
         with eng._lock:
-            seq = eng._seq
+            seq = eng.outcomes_applied()
             if seq == self._looked_at:
                 return 0
             n = self._advance_all()

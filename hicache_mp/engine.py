@@ -26,8 +26,10 @@ Owns the public `mp` engine and the wiring of its parts, each a module of
 one job: engine_build (resources, made at start and released at close),
 striping (records, which worker gets which share), draining (rings into the
 books), supervisor (health, watchdog, fences, respawns) and waiters (the
-wake-up protocol, its numbered note). EngineCore (hicache_mp.core) keeps the
-books: input checks, ops, slot reservations, the index, waits, metrics. Must
+wake-up protocol, its numbered note); each is handed the ledger
+(hicache_mp.ledger: ops, slot reservations, pins, counts), the lock and what
+it serves, never the engine. EngineCore (hicache_mp.core) keeps input checks,
+the index, waits, metrics. Must
 not grow a job of its own here: a hook below only hands over to a part.
 
 Direct I/O is decided once, at start (workers.directio.resolve): off, or the
@@ -62,7 +64,7 @@ from .striping import Striping
 from .supervisor import Supervisor
 from .waiters import Waiters
 
-# The completions of one op in one drain go through EngineCore._apply_many from
+# The completions of one op in one drain go through OpLedger.apply_many from
 # this many up, else page by page (hicache_mp.draining; read at each drain, so
 # a benchmark or test may set it here). Bulk has a fixed cost of ~90 µs per call on
 # the 2-core CI box (some twenty numpy calls) against ~4.2 µs per page page by
@@ -107,15 +109,20 @@ class PrefetchEngine(EngineCore):
         self.host_pool = res.host_pool
         self.done_sem = res.done_sem
         self._control = res.control
-        self._pins = self._control.pins  # the evictor reads the same table
+        self._ledger.share_pins(self._control.pins)  # the evictor reads the same table
         self._evictor = res.evictor
         self._pool = res.pool
         self._segments = res.segments
         self._striping = Striping(self._pool, self._control)
-        self._draining = Draining(self)
-        self._supervisor = Supervisor(self, self._pool, self._control, self._evictor,
-                                      self._drain_ring)
-        self._waiters = Waiters(self, self._control, self.done_sem)
+        # The parts hold the books (the ledger), the lock and what they serve,
+        # never the engine; a question about the engine's state is a callable.
+        self._draining = Draining(self._ledger, self._discovery, self._index, self._pool,
+                                  self._control, self._evictor)
+        self._supervisor = Supervisor(self._ledger, self._lock, config, self._pool,
+                                      self._control, self._evictor, self._drain_ring,
+                                      self._start_rescan)
+        self._waiters = Waiters(self._lock, self._ledger, self._drain, lambda: self._closed,
+                                lambda: self._released, self._control, self.done_sem)
         # The cgroup's throttle counters, read once a second from the drain
         # (hicache_mp.cpubudget); nothing at all where no quota binds.
         self.cpu_budget = res.cpu_budget
@@ -132,8 +139,9 @@ class PrefetchEngine(EngineCore):
         rejected = self._striping.submit(op)
         if rejected:
             now = time.perf_counter_ns()
+            apply = self._ledger.apply
             for pos in rejected:  # backpressure: say so per page, never queue unbounded
-                self._apply(op, pos, st.BUSY, 0, 0, now)
+                apply(op, pos, st.BUSY, 0, 0, now)
 
     def _probe(self, keys, whole: bool) -> set:
         """Hand probes for `keys` (the first is missing from the index; the
@@ -161,12 +169,12 @@ class PrefetchEngine(EngineCore):
     def _drain(self, lazy: bool = False) -> int:
         if self._pool is None or self._pool.closed:
             return 0
-        if lazy and not self._draining.due(self._pool, self._control):
+        if lazy and not self._draining.due():
             n = 0
             self._lazy_skips += 1
-            self._draining.evicted(self._evictor)
+            self._draining.evicted()
         else:
-            n = self._draining.rings(self._pool, self._evictor, BATCH_APPLY_MIN)
+            n = self._draining.rings(BATCH_APPLY_MIN)
         self._supervisor.maybe_check()
         self._throttle.maybe_check()
         return n
@@ -261,8 +269,7 @@ class PrefetchEngine(EngineCore):
             "direct_io": self.direct_io,
             "direct_io_reason": self.direct_io_reason,
             "io_depth": self.config.resolved_io_depth(self.direct_io),
-            "backup_budget_pages": self._backup_budget,
-            "backup_pages_held": self._write_pages,
+            **self._ledger.budget_metrics(),
             "evictor_respawns": ev.respawns if ev else 0,
             "evicted_pages": ev.evicted_pages if ev else 0,
             "evicted_bytes": ev.evicted_bytes if ev else 0,

@@ -7,7 +7,9 @@ workers.pool.WorkerPool.respawn), killing what an abandoned op still holds,
 and the counters of all this. Must not start or reap processes itself (the
 pool does, one waitpid or load each), nor move a worker's state (the pool's
 calls do: workers.handle), nor pop rings other than to take what a lost
-worker finished first (through the engine's drain).
+worker finished first (through the engine's drain), nor touch the books but
+through the ledger's rules (fail a worker's pages, fence its slots). It
+holds the ledger and the engine's lock, never the engine.
 
 Failure states:
   - a worker dies: its unfinished pages end WORKER_DIED (ops end partial or
@@ -43,20 +45,27 @@ from workers.handle import WorkerState
 from workers.pool import BrokenPool, WorkerPool
 from workers.timing import HEALTH_CHECK_S
 
+from .config import EngineConfig
+from .ledger import OpLedger
+
 log = logging.getLogger("hicache_mp")
 
 
 @dataclass(eq=False, repr=False)
 class Supervisor:
-    """Watches `pool` and `evictor` for `core` (the EngineCore whose ops and
-    slot reservations a lost worker's pages are settled in); `drain_ring`
-    applies what a worker finished before it was lost."""
+    """Watches `pool` and `evictor` for an engine: a lost worker's pages are
+    settled in `ledger` (hicache_mp.ledger) under `lock`, the engine's;
+    `drain_ring` applies what a worker finished before it was lost, and
+    `rescan` starts a rescan of the store off this thread."""
 
-    core: Any                      # the EngineCore (hicache_mp.core)
+    ledger: OpLedger
+    lock: Any                      # the engine's RLock
+    config: EngineConfig
     pool: WorkerPool
     control: Control
     evictor: EvictorProcess | None  # None: no storage limits
     drain_ring: Callable[[Ring], object]
+    rescan: Callable[[], None]
     # (killed stuck worker, host slots held until it is reaped)
     fences: list = field(default_factory=list, init=False)
     stuck_workers: int = field(default=0, init=False)
@@ -89,7 +98,7 @@ class Supervisor:
         for handle in self.pool.reaped():
             for fenced, slots in self.fences:
                 if fenced is handle:
-                    self.core._reserved[slots] = False
+                    self.ledger.fence(slots, False)
             self.fences = [f for f in self.fences if f[0] is not handle]
             if handle.state is WorkerState.REAPED:  # its replacement waited for this
                 self._respawn(handle)
@@ -98,19 +107,9 @@ class Supervisor:
     def fail_pages(self, index: int, fence: bool = False) -> np.ndarray:
         """End every page still pending at worker `index` WORKER_DIED; their host
         slots, which that worker may still write, when `fence`. Returns the slots."""
-        core = self.core
-        now = time.perf_counter_ns()
-        slots = []
-        for op in list(core._ops.values()):
-            lost = np.flatnonzero((op.worker_of == index) & (op.page_status == st.PENDING))
-            if not len(lost):
-                continue
-            slots.append(op.host_pages[lost])
-            for pos in lost.tolist():
-                core._apply(op, pos, st.WORKER_DIED, 0, 0, now)
-        slots = np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
+        slots = self.ledger.fail_worker(index, time.perf_counter_ns())
         if fence:
-            core._reserved[slots] = True
+            self.ledger.fence(slots, True)
         return slots
 
     def _replace_dead(self) -> None:
@@ -127,7 +126,7 @@ class Supervisor:
                 log.warning("hicache_mp-evictor died with exit code %s; starting a replacement",
                             ev.proc.returncode if ev.proc else None)
                 ev.respawns += 1
-                ev.start(self.core.config.worker_start_timeout_s, wait=False)
+                ev.start(self.config.worker_start_timeout_s, wait=False)
         for handle in self.pool.dead():
             if not handle.rings_closed:
                 self.drain_ring(handle.completion_ring)  # what it finished before dying still counts
@@ -139,14 +138,14 @@ class Supervisor:
             # does not end in .page). A rescan, off this thread, reaps temp files of
             # dead writers now rather than at the next start, and indexes pages it
             # renamed into place just before dying.
-            self.core._start_rescan()
+            self.rescan()
             self._respawn(handle)
 
     def _watchdog(self) -> None:
         """A worker is stuck (module docstring) when one page I/O has run longer
         than stall_timeout_s, or when records have waited in its rings that long
         without it taking one (stuck outside a page I/O: stopped, or wedged)."""
-        limit = self.core.config.stall_timeout_s
+        limit = self.config.stall_timeout_s
         now = time.monotonic()
         # After a gap in the looks (this process paused with its workers, or not
         # polled) an I/O's age counts from now, as the rings' count restarts: a
@@ -176,7 +175,7 @@ class Supervisor:
             log.error("hicache_mp-worker-%d (pid %d) is stuck: no progress for %.1fs, over "
                       "stall_timeout_s=%ss; killed, %d page(s) failed (their host slots stay "
                       "reserved until it is gone); starting a replacement", index, handle.pid,
-                      age_s, self.core.config.stall_timeout_s, len(slots))
+                      age_s, self.config.stall_timeout_s, len(slots))
             self._respawn(handle)
 
     def _respawn(self, handle) -> None:
@@ -189,8 +188,7 @@ class Supervisor:
         """SIGKILL every worker still holding a page of `op` (abandoned, and
         not done within `grace_s`): the health check fails its pages and
         replaces it."""
-        core = self.core
-        with core._lock:
+        with self.lock:
             holders = sorted({int(w) for w in op.worker_of[op.page_status == st.PENDING]})
             pids = [self.pool.workers[i].pid for i in holders if i < len(self.pool.workers)]
         for pid in pids:

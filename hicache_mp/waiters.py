@@ -4,17 +4,19 @@ Owns the engine's side of the wake-up protocol below: each waiter's target,
 the leader that sleeps on the completion semaphore for all, the followers'
 condition, taking a leftover post, the caps on a sleep, waking everyone for
 close(), and the wake-up counters. Must not apply completions itself (it
-calls the engine's drain) nor count sleepers for close() (hicache_mp.closing
-does, around each sleep).
+calls the drain it was given) nor count sleepers for close()
+(hicache_mp.closing does, around each sleep). It holds the engine's lock,
+the ledger (the count of note 1), the drain and two questions (closed?
+released?), never the engine.
 
 The wake-up protocol. Every participant's comments cite these notes by
 number ("waiters note 4"): this module (the engine's waiters),
-hicache_mp.draining (the engine's count), workers/worker.py (the post side)
+hicache_mp.ledger (the engine's count), workers/worker.py (the post side)
 and workers/control.py (the words WAKE_AT, WAKE_SEQ, WAITERS, POSTED_SEQ,
 POSTED_NS).
 
   1. The count. The engine counts the worker completions it has drained
-     (`_worker_pages`; probes aside); a worker adds each page to its PAGES
+     (the ledger's `worker_pages`; probes aside); a worker adds each page to its PAGES
      word before it pushes that page's completion. So the sum of every
      worker's PAGES is never below the engine's count, and reaches
      "count + an op's pages outstanding" no later than that op's last push.
@@ -62,7 +64,7 @@ POSTED_NS).
   8. Close. close() posts the semaphore for a leader on another thread and
      notifies the followers (`wake_all`), then waits for them to leave
      (hicache_mp.closing). Once the control block and semaphore are released
-     (`_released`), nothing here touches them, and a sleep on the closed
+     (`released()`), nothing here touches them, and a sleep on the closed
      semaphore ends at once (shm.wake).
   9. Waking ahead. Under a busy scheduler a waiter woken by a post runs
      again only once the GIL comes back, up to a switch interval later
@@ -92,16 +94,24 @@ from workers.timing import AHEAD_MIN_S, AHEAD_SHARE, NO_TARGET_CAP_S, SPIN_CAP_S
 
 
 class Waiters:
-    """The waiters of `engine` (its lock, flags, drain and count); `control`
-    and `done_sem` are its control block and completion semaphore."""
+    """The waiters of one engine: `lock` is its lock, `ledger` its books
+    (hicache_mp.ledger: the count of note 1), `drain` its drain (applies what
+    the rings hold; returns the pages applied), `closed` and `released` say
+    whether it is closed and whether its control block and semaphore are gone
+    (note 8); `control` and `done_sem` are that control block and completion
+    semaphore."""
 
-    def __init__(self, engine, control, done_sem):
-        self.engine = engine
+    def __init__(self, lock, ledger, drain, closed, released, control, done_sem):
+        self.lock = lock
+        self.ledger = ledger
+        self.drain = drain
+        self.closed = closed
+        self.released = released
         self.control = control
         self.done_sem = done_sem
         self.targets: list = []  # wake-up target of each thread in wait(); 0: none (note 2)
         self.leader = None       # the thread that sleeps on done_sem for all (note 5)
-        self.woken = threading.Condition(engine._lock)
+        self.woken = threading.Condition(lock)
         # Sleeps ended by a worker's post, by the cap; posted wakes that found
         # their target not reached (a post left over from an earlier wait); and
         # leftover posts taken before a sleep (never slept on, note 6).
@@ -118,31 +128,30 @@ class Waiters:
         The lock makes the counter update atomic across waiting threads (SGLang
         blocks in several: its backup thread in batch_set_v1 while its I/O
         thread waits in batch_get_v1) and keeps the rings single-consumer."""
-        eng = self.engine
         me = threading.get_ident()
-        with eng._lock:
-            if eng._released:  # note 8
+        with self.lock:
+            if self.released():  # note 8
                 return
             target = op is not None and not op.done
             prev = self.leader
             lead = prev is None or prev == me  # note 5
             short = target and lead and self._due_soon(op)  # note 9
             early = self._lead(op) if target and lead and not short else 0  # note 9
-            at = eng._worker_pages + op._remaining - early if target else 0  # notes 1, 9
+            at = self.ledger.worker_pages + op._remaining - early if target else 0  # notes 1, 9
             cap = min(timeout_s, TARGET_CAP_S if target else NO_TARGET_CAP_S)  # note 7
             if lead and at:
                 self.leftover += self.done_sem.take_pending()  # note 6
             self.targets.append(at)
             self._set_wake_at()
             self.control.words[WAITERS] += 1
-            drained = eng._drain()  # note 3
-            if short and not drained and not eng._closed:
+            drained = self.drain()  # note 3
+            if short and not drained and not self.closed():
                 drained = self._spin(op)  # note 9: due within SPIN_CAP_S, no sleep
             if drained or not lead:
                 try:
                     if drained:
                         self.woken.notify_all()  # those pages may end a follower's op
-                    elif not eng._closed:
+                    elif not self.closed():
                         self._count(self.woken.wait(cap), at, follower=True)
                 finally:
                     self._leave(at)
@@ -156,11 +165,11 @@ class Waiters:
             # (scripts/sglang_stack.py prints it).
             posted = self.done_sem.wait(cap)
         finally:
-            with eng._lock:
+            with self.lock:
                 self.leader = prev
                 self._count(posted, at, since=since)
-                if not eng._closed:
-                    eng._drain()  # the followers' ops too, before they look
+                if not self.closed():
+                    self.drain()  # the followers' ops too, before they look
                     if early and posted:
                         self.ahead += 1
                         if not op.done and self._due_soon(op):
@@ -190,11 +199,11 @@ class Waiters:
         """Drain, GIL held, until `op` is done or SPIN_CAP_S has passed (note
         9; a batch's fixed latency, a worker's pickup, is not in the pace, so
         the cap, not the due time, bounds it); True if it is done."""
-        eng = self.engine
+        drain, closed = self.drain, self.closed
         t0 = time.monotonic()
         until = t0 + SPIN_CAP_S
-        while not op.done and not eng._closed and time.monotonic() < until:
-            eng._drain()
+        while not op.done and not closed() and time.monotonic() < until:
+            drain()
         self.spun += 1
         self.spin_s += time.monotonic() - t0
         return op.done
@@ -202,7 +211,7 @@ class Waiters:
     def _set_wake_at(self) -> None:
         """WAKE_AT for the waiters now: the lowest target, 0 if any has none,
         each new target numbered first (note 2)."""
-        if self.engine._released:
+        if self.released():
             return
         words = self.control.words
         targets = self.targets
@@ -213,7 +222,7 @@ class Waiters:
 
     def _leave(self, at: int) -> None:
         self.targets.remove(at)
-        if self.engine._released:  # the control block is gone: nobody counts waiters now
+        if self.released():  # the control block is gone: nobody counts waiters now
             return
         self.control.words[WAITERS] -= 1
         self._set_wake_at()
@@ -223,7 +232,7 @@ class Waiters:
             self.posted += 1
         else:
             self.expired += 1
-        if not posted or not at or follower or self.engine._released:
+        if not posted or not at or follower or self.released():
             return
         if self.control.pages_done() < at:
             self.stale += 1

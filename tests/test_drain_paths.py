@@ -110,13 +110,13 @@ def test_keys_sharing_a_pin_slot_are_unpinned_on_either_path(store, monkeypatch,
         for i, k in enumerate(keys):
             put(e, i, content(k, pb))
         wop = e.backup(keys, range(len(keys)))
-        assert e._pins[pin_slot(naming.key_digest(pair[0], e.namespace))] == 2
+        assert e._control.pins[pin_slot(naming.key_digest(pair[0], e.namespace))] == 2
         workers_counted(e, len(keys))
         assert e.wait(wop, 30) and wop.status == "ok"
         rop = e.prefetch(keys, range(64, 64 + len(keys)))
         workers_counted(e, 2 * len(keys))
         assert e.wait(rop, 30) and rop.status == "ok"
-        assert int(np.count_nonzero(e._pins)) == 0
+        assert int(np.count_nonzero(e._control.pins)) == 0
         assert [fingerprint(get(e, 64 + i)) for i in range(len(keys))] == \
             [fingerprint(content(k, pb)) for k in keys]
 

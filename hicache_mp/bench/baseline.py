@@ -99,7 +99,7 @@ class ThreadedFileEngine(InProcessThreads, EngineCore):
         n = 0
         while self._done:
             op, pos, code, io_ns, err = self._done.popleft()
-            self._apply(op, pos, code, io_ns, err, time.perf_counter_ns())
+            self._ledger.apply(op, pos, code, io_ns, err, time.perf_counter_ns())
             n += 1
         return n
 

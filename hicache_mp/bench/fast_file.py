@@ -247,7 +247,7 @@ class FastFileEngine(InProcessThreads, EngineCore):
             op, batch, results, io_ns = self._done.popleft()
             now = time.perf_counter_ns()
             for pos, (code, err) in zip(batch, results):
-                self._apply(op, pos, code, io_ns, err, now)
+                self._ledger.apply(op, pos, code, io_ns, err, now)
             n += len(batch)
         return n
 
