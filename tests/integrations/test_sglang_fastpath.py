@@ -13,7 +13,6 @@ flight). Then SGLang's failure injector over the fast path, install() applied
 and refused, and the upstream patch: it is what install() does, and it
 applies to a copy of SGLang's installed sources."""
 import hashlib
-import itertools
 import os
 import shutil
 import subprocess
@@ -35,6 +34,7 @@ import torch  # noqa: E402
 
 from hicache_mp.bench.sglang import stack as sglang_stack  # noqa: E402
 from hicache_mp.bench.sglang.stack import Scheduler  # noqa: E402
+from hicache_mp.bench.sglang.handoffs import thread_role  # noqa: E402
 from hicache_mp.integrations.sglang import fastpath  # noqa: E402
 
 UPSTREAM = os.path.join(os.path.dirname(fastpath.__file__), "upstream")
@@ -44,6 +44,9 @@ SITE = sysconfig.get_paths()["purelib"]
 DENSE = ["--round-mib", "1.25", "--page-mib", "0.0078125", "--layers", "2", "--heads", "4",
          "--head-dim", "64", "--requests", "1", "--workers", "1", "--timeout-s", "30"]
 POLICIES = ("wait_complete", "best_effort", "timeout")
+# SGLang's storage threads, by target (earlier stacks' threads have been joined)
+SGL_THREADS = {"prefetch_thread_func", "prefetch_io_aux_func", "prefetch_sync_thread_func",
+               "backup_thread_func"}
 
 
 @pytest.fixture(autouse=True)
@@ -117,9 +120,7 @@ def dense_run(backend, store, policies):
         t, written = sglang_stack.backup(s.ctl, s.src, s.tokens, s.hashes, Scheduler(False), 30)
         assert written == len(s.tokens)
         rounds = {p: dense_round(s, p) for p in policies}
-        threads = sorted(t._target.__name__ for t in threading.enumerate()
-                         if getattr(t, "_target", None) is not None
-                         and getattr(t._target, "__self__", None) is s.ctl and t.is_alive())
+        threads = sorted(r for r in map(thread_role, threading.enumerate()) if r in SGL_THREADS)
         src = [s.page(s.src, i).clone() for i in range(s.pages)]
     finally:
         s.close()
@@ -155,23 +156,65 @@ def test_dense_same_as_stock(tmp_path, backend):
 
 
 # --- hybrid: HybridCacheController, batch_exists_v2 / batch_get_v2 ----------------------
-def hybrid_run(geom, store, policies):
-    from hicache_mp.bench.sglang import hybrid_rank, real_hybrid
-    S = real_hybrid.load()
-    hybrid_rank._ids = itertools.count(1)   # the same token ids (so keys) in every run
-    r = hybrid_rank.Rank(S, real_hybrid.geometry(geom, tiny=True), "mp", store, requests=1,
-                         max_pages=4, workers=1)
+def hybrid_transfers(r, prefetch: bool, src=None, hashes=None):
+    """The PoolTransfers the components build (hybrid_rank's docstring says
+    which): for BACKUP_STORAGE with the src slots and the last hashes, for a
+    PREFETCH with placeholder keys."""
+    T, N, out = r.T, r.N, []
+    if r.pools.mamba is not None:
+        out.append(T(name=N.MAMBA, keys=["__placeholder__"] if prefetch else hashes[-1:],
+                     host_indices=None if prefetch else src["mamba"], hit_policy=r.TRAIL))
+    if r.pools.swa is not None:
+        out.append(T(name=N.SWA, keys=["__placeholder__"] * r.W if prefetch else hashes[-r.W:],
+                     host_indices=None if prefetch else src["swa"], hit_policy=r.TRAIL))
+    if r.pools.indexer is not None:
+        out.append(T(name=N.INDEXER, indices_from_pool=N.KV, keys=None if prefetch else hashes))
+    return out
+
+
+def hybrid_stage(r, op) -> None:
+    """The scheduler's hit drain: KV staging, each sidecar's, then the I/O queue."""
+    ctl, hit = r.ctl, op.storage_hit_count
+    host, n = ctl.allocate_storage_hit(op, hit, allow_partial=True,
+                                       min_tokens=ctl.prefetch_threshold,
+                                       evict_host=lambda tokens: 0)
+    assert host is not None and n == hit
+    for t in op.pool_transfers or ():
+        if t.host_indices is None and not t.indices_from_pool:
+            pool = r.group.get_pool(t.name)
+            t.host_indices = pool.alloc(min(len(t.keys), n // r.P) * pool.page_size)
+    op.host_indices = host
+    ctl.prefetch_buffer.put(op)
+
+
+def hybrid_run(geom, backend, store, policies, pages=4):
+    from array import array
+    from hicache_mp.bench.sglang import hybrid_controller, hybrid_rank, real_hybrid
+    g = real_hybrid.geometry(geom, tiny=True)
+    r = hybrid_rank.Rank(real_hybrid.load(), g, "mp", store, requests=1, max_pages=pages,
+                         workers=1)   # its pools, src pages and checks; mp's controller
+    if backend == "file":   # the same pools behind a controller on SGLang's own file backend
+        r.close()
+        r.group, r.ctl = hybrid_controller.build(r.pools, g, backend="file",
+                                                 extra={"file_storage_path": store},
+                                                 model=f"hicache-mp/{geom}")
+    key = r.Key(array("q", range(1000, 1000 + pages * r.P)))   # the same keys in every run
+    hashes = r.hash(key, None, page_size=r.P)
     out = {}
     try:
-        assert r.backup(4, Scheduler(False), 30)
+        src = r.src_of(0, pages)
+        op_id = r.ctl.write_storage(src["kv"], list(key.token_ids), hashes, None,
+                                    extra_pools=hybrid_transfers(r, False, src, hashes) or None)
+        done = Scheduler(False).get(r.ctl.ack_backup_queue, time.monotonic() + 30)
+        assert done.id == op_id and done.completed_tokens == pages * r.P
         for policy in policies:
             ctl, deadline, sched = r.ctl, time.monotonic() + 30, Scheduler(False)
-            gate = Gate(ctl, "batch_get_v1", 1) if policy != "wait_complete" else None
-            key = r.prefix(4, 0)[0]
+            gate = (Gate(ctl, "batch_get" if backend == "file" else "batch_get_v1", 1)
+                    if policy != "wait_complete" else None)
             handle = r.Handle(rid=f"h-{policy}", attempt_id=0)
-            ctl.prefetch(handle, key, None, None, extra_pools=r._prefetch_transfers() or None)
+            ctl.prefetch(handle, key, None, None, extra_pools=hybrid_transfers(r, True) or None)
             op = sched.get(ctl.prefetch_hit_queue, deadline)
-            assert r._stage(op)
+            hybrid_stage(r, op)
             if gate is not None:   # terminated (best_effort: scheduled; timeout: deadline)
                 assert gate.arrived.wait(10)   # while its KV batch is in flight
                 ctl.terminate_prefetch(op)
@@ -186,7 +229,7 @@ def hybrid_run(geom, store, policies):
                 if t.host_indices is not None and not t.indices_from_pool:
                     slots[t.name.value] = t.host_indices.tolist()
             if policy == "wait_complete":   # every KV and sidecar page checked, then freed
-                r.finish(4, {handle.rid: [0, op, acks[0][0]]}, policy)
+                r.finish(pages, {handle.rid: [0, op, acks[0][0]]}, policy)
             else:   # the sidecar was skipped by design: its staging only freed
                 r.group.free(op.host_indices)
                 for t in op.pool_transfers or ():
@@ -200,12 +243,13 @@ def hybrid_run(geom, store, policies):
     return out
 
 
+@pytest.mark.parametrize("backend", ["mp", "file"])
 @pytest.mark.parametrize("geom", ["mamba", "swa", "dsa"])
-def test_hybrid_same_as_stock(tmp_path, geom):
+def test_hybrid_same_as_stock(tmp_path, geom, backend):
     policies = ("wait_complete", "best_effort")
-    stock = hybrid_run(geom, str(tmp_path / "stock"), policies)
+    stock = hybrid_run(geom, backend, str(tmp_path / "stock"), policies)
     fastpath.install()
-    fast = hybrid_run(geom, str(tmp_path / "fast"), policies)
+    fast = hybrid_run(geom, backend, str(tmp_path / "fast"), policies)
     for p in policies:
         assert stock[p] == fast[p], p
     assert stock["wrong"] == fast["wrong"] == 0 and stock["checked"] == fast["checked"] > 0
@@ -290,3 +334,28 @@ def test_patch_is_install_and_applies(tmp_path):
         with open(os.path.join(SITE, rel)) as f:
             assert text == fastpath.patched_source(f.read(), cls, holder, anchor)
         assert "hicache_mp" not in text   # every backend gains; nothing of ours in it
+
+
+# --- the hand-offs, counted on SGLang's threads ----------------------------------------------
+def test_handoffs_per_batch(tmp_path):
+    """One dense prefetch of two batches on mp: SGLang's own waits (outside
+    the backend's calls) are the prefetch thread's and the I/O thread's wake,
+    one per batch; stock adds the sync thread's wake per ack and a
+    Tensor.item per ack and per hit query."""
+    from hicache_mp.bench.sglang.handoffs import HandoffTracer, dense_prefetch
+    tr = HandoffTracer().install()
+    try:
+        stock = dense_prefetch(tr, "stock", "mp", str(tmp_path / "s"), rounds=2)
+        fastpath.install()
+        fast = dense_prefetch(tr, "fast", "mp", str(tmp_path / "f"), rounds=2)
+    finally:
+        tr.uninstall()
+    assert stock["wrong_pages"] == fast["wrong_pages"] == 0 and fast["batches"] == 2
+    own = {lb: [r for r in tr.table(lb) if r["backend_call"] == "-"] for lb in ("stock", "fast")}
+    waits = {lb: sum(r["per_prefetch"] for r in rows if r["kind"] == "wait")
+             for lb, rows in own.items()}
+    assert waits["fast"] <= fast["batches"]            # one per batch, at most
+    assert {r["thread"] for r in own["fast"]} == {"prefetch_thread_func", "prefetch_io_aux_func"}
+    assert not any(r["kind"] == "Tensor.item" for r in own["fast"])
+    assert any(r["thread"] == "prefetch_sync_thread_func" for r in own["stock"])
+    assert waits["stock"] > waits["fast"]
