@@ -1,0 +1,245 @@
+"""SGLang's stock storage path against the fast path, interleaved in one run.
+
+Each backend gets two stacks over SGLang's real controllers: one built while
+SGLang's classes are stock, one built after
+`hicache_mp.integrations.sglang.fastpath.install()`. Every run plays, per
+mode (idle, busy scheduler) and variant (stock, fast), one prefetch round on
+that variant's stack, with the classes set to the variant just before it
+(install / uninstall between rounds: a stack only runs while its variant is
+in place, so its threads' loops and the methods they call agree). Dense
+(`HiCacheController`, bench/sglang/stack.py's Stack): the sleeping floor
+(no bytes, one GIL-releasing sleep per batch_get_v1 as long as mp's stock
+idle batch of that run, decision 86), `mp` and SGLang's `file`. Hybrid
+(`HybridCacheController`, hybrid_rank's Rank; Mamba, SWA, DSA at each
+--hybrid-pages): the sleeping floor and `mp`. Every page mp and file read is
+compared with the page written.
+
+Prints per stack: idle and busy medians (ms) and busy ÷ idle (idle time over
+busy time: the share of its idle speed it keeps), stock beside fast, and the
+wrong pages; with --trace, then SGLang's own waits per batch on its storage
+threads for one traced prefetch of each variant (bench/sglang/handoffs.py).
+Owns no engine logic; changes SGLang only through fastpath.install().
+
+    python3 scripts/sglang_fastpath_bench.py --runs 5 --json $OUT/fastpath.json
+    python3 scripts/sglang_fastpath_bench.py --tiny --runs 2     # a CPU check
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import tempfile
+
+from hicache_mp.bench.sglang import handoffs
+from hicache_mp.bench.sglang import hybrid_rank as HR
+from hicache_mp.bench.sglang import real as R
+from hicache_mp.bench.sglang import real_hybrid as RH
+from hicache_mp.bench.sglang import stack as S
+from hicache_mp.integrations.sglang import fastpath
+
+VARIANTS = ("stock", "fast")
+MODES = ("idle", "busy")
+
+
+def variant(name: str) -> None:
+    """SGLang's classes as `name` has them."""
+    if name == "fast":
+        fastpath.install()
+    else:
+        fastpath.uninstall()
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def ratio(times: dict) -> dict:
+    idle, busy = median(times["idle"]), median(times["busy"])
+    return {"idle_ms": idle * 1e3, "busy_ms": busy * 1e3, "busy_over_idle": idle / busy,
+            "runs_s": times}
+
+
+# --- dense -------------------------------------------------------------------------------
+def dense(sgl, args, root) -> dict:
+    stacks = {}
+    try:
+        for v in VARIANTS:
+            variant(v)
+            for b in args.backends:
+                store = os.path.join(root, f"{v}-{b}")
+                os.makedirs(store, exist_ok=True)
+                s = stacks[v, b] = S.Stack(sgl, b, args, store)
+                if b != "sleeping":
+                    S.backup(s.ctl, s.src, s.tokens, s.hashes, S.Scheduler(False), args.timeout_s)
+                s.read(S.Scheduler(False))   # warm: the index, the page cache, first calls
+        times = {k: {m: [] for m in MODES} for k in stacks}
+        gets = -(-stacks["stock", args.backends[0]].pages // max(1, args.requests) // 128) * \
+            max(1, args.requests)
+        for _ in range(args.runs):
+            for mode in MODES:
+                for v in VARIANTS:
+                    variant(v)
+                    for b in args.backends:
+                        s = stacks[v, b]
+                        if b == "sleeping":
+                            if ("stock", "mp") in stacks and times["stock", "mp"]["idle"]:
+                                S.backend_of(s.ctl).sleep_like(
+                                    times["stock", "mp"]["idle"][-1], 0.0, gets)
+                        t, done = s.read(S.Scheduler(mode == "busy"))
+                        if done != len(s.tokens):
+                            raise AssertionError(f"dense {v} {b} {mode}: {done} tokens read")
+                        times[v, b][mode].append(t)
+        return {f"{b}:{v}": dict(ratio(times[v, b]), wrong_pages=stacks[v, b].wrong_pages,
+                                 checked_pages=stacks[v, b].checked_pages)
+                for (v, b) in stacks}
+    finally:
+        for s in stacks.values():
+            s.close()
+        fastpath.uninstall()
+
+
+# --- hybrid ------------------------------------------------------------------------------
+def hybrid(args, root) -> dict:
+    S_ = RH.load()
+    out = {}
+    for geom in args.geometries:
+        g = RH.geometry(geom, tiny=args.tiny)
+        for pages in args.hybrid_pages:
+            ranks = {}
+            try:
+                for v in VARIANTS:
+                    variant(v)
+                    for kind in ("sleeping", "mp"):
+                        store = os.path.join(root, f"h-{geom}-{pages}-{v}-{kind}")
+                        os.makedirs(store, exist_ok=True)
+                        r = ranks[v, kind] = HR.Rank(S_, g, kind, store, requests=args.requests,
+                                                     max_pages=pages, workers=args.workers)
+                        r.backup(pages, S.Scheduler(False), args.timeout_s)
+                        r.finish(pages, r.prefetch(pages, S.Scheduler(False),
+                                                   args.timeout_s)[1], "warm")
+                times = {k: {m: [] for m in MODES} for k in ranks}
+                gets = -(-pages // 128) * args.requests + args.requests   # KV batches + sidecar
+                for _ in range(args.runs):
+                    for mode in MODES:
+                        for v in VARIANTS:
+                            variant(v)
+                            for kind in ("mp", "sleeping"):
+                                r = ranks[v, kind]
+                                if kind == "sleeping":
+                                    S.backend_of(r.ctl).sleep_like(
+                                        times["stock", "mp"]["idle"][-1], 0.0, gets)
+                                t, res = r.prefetch(pages, S.Scheduler(mode == "busy"),
+                                                    args.timeout_s)
+                                r.finish(pages, res, f"{geom} {pages} {v} {kind} {mode}")
+                                times[v, kind][mode].append(t)
+                for (v, kind), r in ranks.items():
+                    out[f"{geom}:{pages}:{kind}:{v}"] = dict(ratio(times[v, kind]),
+                                                             wrong_pages=r.wrong,
+                                                             checked_pages=r.checked)
+            finally:
+                for r in ranks.values():
+                    r.close()
+                fastpath.uninstall()
+    return out
+
+
+# --- the hand-offs of one traced prefetch per variant ------------------------------------
+def trace(root) -> dict:
+    tr = handoffs.HandoffTracer().install()
+    out = {}
+    try:
+        for v in VARIANTS:
+            variant(v)
+            d = handoffs.dense_prefetch(tr, f"dense:{v}", "mp", os.path.join(root, f"t-{v}"))
+            h = handoffs.hybrid_prefetch(tr, f"hybrid:{v}", "mamba", os.path.join(root, f"th-{v}"))
+            for label, res in ((f"dense:{v}", d), (f"hybrid:{v}", h)):
+                rows = tr.table(label)
+                own = sum(r["per_prefetch"] for r in rows
+                          if r["backend_call"] == "-" and r["kind"] in ("wait", "sleep"))
+                out[label] = {"sglang_waits_per_batch": own / res["batches"], "rows": rows}
+    finally:
+        tr.uninstall()
+        fastpath.uninstall()
+    out["tensor_item_releases_gil"] = handoffs.item_releases_gil()
+    return out
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backends", default="sleeping,mp,file",
+                    help="dense backends (sleeping: the sleeping floor; needs mp before it "
+                         "sleeps as long as mp's batch)")
+    ap.add_argument("--round-mib", type=float, default=2048)
+    ap.add_argument("--page-mib", type=float, default=8.0)
+    ap.add_argument("--geometries", default="mamba,swa,dsa", help="hybrid; '' to skip")
+    ap.add_argument("--hybrid-pages", default="64,256", help="KV pages per hybrid request")
+    ap.add_argument("--requests", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--workers", type=int, default=0, help="hicache_mp num_workers (0 = auto)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a CPU check: 4 MiB dense rounds of 64 KiB pages, tiny hybrid "
+                         "geometries, 4 KV pages")
+    ap.add_argument("--no-trace", dest="trace", action="store_false")
+    ap.add_argument("--timeout-s", type=float, default=120)
+    ap.add_argument("--store", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    dense_argv = ["--round-mib", str(args.round_mib), "--page-mib", str(args.page_mib),
+                  "--requests", str(args.requests), "--workers", str(args.workers),
+                  "--timeout-s", str(args.timeout_s)]
+    if args.tiny:
+        dense_argv = ["--round-mib", "4", "--page-mib", "0.0625", "--layers", "2", "--heads",
+                      "4", "--head-dim", "64", "--requests", str(args.requests), "--workers",
+                      str(args.workers or 1), "--timeout-s", str(args.timeout_s)]
+        args.hybrid_pages = "4"
+        args.workers = args.workers or 1
+    d = S.parse(dense_argv)
+    for k in ("page_size", "round_pages", "file_round_pages", "layers", "heads", "head_dim",
+              "layout", "mp_key", "node_engines"):
+        if hasattr(d, k):
+            setattr(args, k, getattr(d, k))
+    args.backends = [b for b in args.backends.split(",") if b]
+    if "sleeping" in args.backends and "mp" in args.backends:
+        args.backends.remove("sleeping")   # after mp: its sleep is mp's idle batch of the run
+        args.backends.insert(args.backends.index("mp") + 1, "sleeping")
+    args.geometries = [g for g in args.geometries.split(",") if g]
+    args.hybrid_pages = [int(p) for p in str(args.hybrid_pages).split(",")]
+    args.workers = args.workers or None
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    sgl = R.import_stack()
+    res = {"args": {k: v for k, v in vars(args).items() if k != "mp_key"}}
+    with tempfile.TemporaryDirectory(dir=args.store, prefix="hicache_mp-fastpath-") as root:
+        res["dense"] = dense(sgl, args, root) if args.backends else {}
+        res["hybrid"] = hybrid(args, root) if args.geometries else {}
+        if args.trace:
+            res["trace"] = trace(root)
+    print("| stack | variant | idle ms | busy ms | busy ÷ idle | wrong pages |")
+    print("|---|---|---|---|---|---|")
+    for part in ("dense", "hybrid"):
+        for key, r in res[part].items():
+            name, v = key.rsplit(":", 1)
+            print(f"| {part} {name} | {v} | {r['idle_ms']:.1f} | {r['busy_ms']:.1f} | "
+                  f"{r['busy_over_idle']:.2f} | {r['wrong_pages']} |")
+    for label, t in res.get("trace", {}).items():
+        if isinstance(t, dict):
+            print(f"{label}: SGLang's own waits per batch on its storage threads: "
+                  f"{t['sglang_waits_per_batch']:.2f}")
+    if "trace" in res:
+        print(f"Tensor.item lets the GIL go in this torch: {res['trace']['tensor_item_releases_gil']}")
+    res["wrong_pages"] = sum(r["wrong_pages"] for p in ("dense", "hybrid") for r in res[p].values())
+    print(json.dumps({"wrong_pages": res["wrong_pages"]}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        main()
