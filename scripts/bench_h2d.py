@@ -22,10 +22,9 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hicache_mp import PageGeometry  # noqa: E402
-from hicache_mp.device import DeviceLoader  # noqa: E402
+from hicache_mp import PageGeometry
+from hicache_mp.device import DeviceLoader
 
 TARGET = 0.85
 

@@ -19,10 +19,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine  # noqa: E402
-from workers import naming  # noqa: E402
+from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine
+from workers import naming
 
 GEOMETRY = dict(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, dtype="bfloat16",
                 layout="page_first")

@@ -20,11 +20,10 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import hicache_mp.engine as engine_mod  # noqa: E402
-from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine  # noqa: E402
-from workers.control import PAGES  # noqa: E402
+import hicache_mp.engine as engine_mod
+from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine
+from workers.control import PAGES
 
 
 def landed(eng) -> int:

@@ -21,9 +21,8 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine  # noqa: E402
+from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine
 
 GEO = dict(num_layers=4, num_kv_heads=4, head_dim=64, page_size=16)  # 64 KiB pages
 

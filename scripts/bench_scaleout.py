@@ -38,13 +38,11 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path[:0] = [ROOT, HERE, os.path.join(ROOT, "tests", "scaleout")]
 
-import bench_storage as bs  # noqa: E402
-from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine  # noqa: E402
-from workers import pagefile  # noqa: E402
+import bench_storage as bs
+from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine
+from hicache_mp.bench import jfs
+from workers import pagefile
 
 SCHEMA = "hicache_mp.bench_scaleout/1"
 JFS_DEFAULTS = ["--buffer-size", "300", "--max-uploads", "20", "--prefetch", "1"]
@@ -168,7 +166,6 @@ def main(argv=None) -> int:
             scratch.append(a)
             label, options = "shared mounts", []
         else:
-            import jfs
             why = jfs.unavailable()
             if why:
                 log(f"juicefs: {why}")

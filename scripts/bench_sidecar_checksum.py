@@ -18,12 +18,7 @@ import time
 
 import torch
 
-sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
-                             "integrations")]
-try:
-    from hicache_mp.bench.sglang import real_hybrid as real
-except ImportError:
-    import sglang_real_hybrid as real
+from hicache_mp.bench.sglang import real_hybrid as real
 
 
 def main(argv=None) -> int:

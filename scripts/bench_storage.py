@@ -44,11 +44,10 @@ import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine  # noqa: E402
-from hicache_mp.config import DIRECT_IO_MODES, FSYNC_MODES, auto_workers  # noqa: E402
-from workers import directio, naming, pagefile  # noqa: E402
+from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine
+from hicache_mp.config import DIRECT_IO_MODES, FSYNC_MODES, auto_workers
+from workers import directio, naming, pagefile
 
 SCHEMA = "hicache_mp.bench_storage/1"
 

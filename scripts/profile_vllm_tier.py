@@ -17,12 +17,32 @@ machine, interleaved.
 """
 import argparse
 import cProfile
+import importlib.util
 import os
 import pstats
 import shutil
 import statistics
 import sys
 import tempfile
+
+
+TREE_ENV = "HICACHE_MP_PROFILE_TREE"  # set in the re-executed interpreter of --tree
+
+
+def _bench_module(tree):
+    """The vLLM tier bench: the package's, or, in a tree older than the package's
+    bench harness, its scripts/bench_vllm_tier.py (loaded from its file)."""
+    try:
+        from hicache_mp.bench.vllm import tier
+        return tier
+    except ImportError:
+        if not tree:
+            raise
+    spec = importlib.util.spec_from_file_location(
+        "bench_vllm_tier", os.path.join(tree, "scripts", "bench_vllm_tier.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def main(argv=None) -> int:
@@ -32,8 +52,9 @@ def main(argv=None) -> int:
     p.add_argument("--row-bytes", type=int, default=2 << 20)
     p.add_argument("--workers", type=int, default=0, help="0: auto")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--tree", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                   help="the checkout whose hicache_mp and scripts/bench_vllm_tier.py run")
+    p.add_argument("--tree", default=None,
+                   help="another checkout whose hicache_mp and vLLM tier bench run (default: "
+                        "the installed hicache_mp)")
     p.add_argument("--profile", action="store_true", help="cProfile the tier's calls")
     p.add_argument("--sort", default="tottime", choices=["tottime", "cumulative"],
                    help="--profile's order")
@@ -42,11 +63,16 @@ def main(argv=None) -> int:
                         "poll, which starts the step's ops, polls that skipped, drained or "
                         "reported jobs, step ends), with each kind's median, p90 and max")
     args = p.parse_args(argv)
-    sys.path[:0] = [os.path.join(args.tree, "scripts"), args.tree]
+    if args.tree and os.environ.get(TREE_ENV) != args.tree:
+        # The other tree goes first on PYTHONPATH of a fresh interpreter: this one
+        # may have imported a hicache_mp already, and two cannot share one process.
+        env = dict(os.environ, **{TREE_ENV: args.tree, "PYTHONPATH": os.pathsep.join(
+            [args.tree, *filter(None, [os.environ.get("PYTHONPATH")])])})
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
     import numpy as np
 
-    import bench_vllm_tier as bench
     import hicache_mp.integrations.vllm as tier_mod
+    bench = _bench_module(args.tree)
     print(f"hicache_mp from {os.path.dirname(tier_mod.__file__)}", flush=True)
     bargs = bench.parse_args(["--rows", str(args.rows), "--row-bytes", str(args.row_bytes),
                               "--workers", str(args.workers)])

@@ -2,7 +2,7 @@
 
 Every check compares every element of the device KV cache: loaded pages must
 hold exactly the stored bytes, every other element must still hold the poison.
-The CUDA path runs the same checks through scripts/gpu_check_device.py.
+The CUDA path runs the same checks through scripts/device/gpu_check_device.py.
 """
 import os
 import subprocess
@@ -241,9 +241,9 @@ def test_bad_input_raises(engines):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="needs CUDA: run scripts/gpu_check_device.py on a GPU machine")
+                    reason="needs CUDA: run scripts/device/gpu_check_device.py on a GPU machine")
 def test_gpu_check_script():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check_device.py")],
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "device", "gpu_check_device.py")],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 

@@ -9,7 +9,7 @@ the loop must see EngineClosed from every engine call and host-pool access.
 
 What a user would notice: the server stops within a second plus the flush
 close() reported (asserted with a second of margin for a loaded machine;
-scripts/sigterm_trials.py counts the strict bound over 200 SIGTERMs); no
+tests/faults/sigterm_trials.py counts the strict bound over 200 SIGTERMs); no
 exception but EngineClosed escapes an engine call; every backup page the
 server saw acknowledged (or the handler's flush reported written) is on disk
 byte for byte; no segment and no worker is left.

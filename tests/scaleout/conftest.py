@@ -12,14 +12,14 @@ from dataclasses import dataclass
 import pytest
 
 
-import jfs  # noqa: E402
+import jfskit
 
 _serial = itertools.count()
 
 
 @pytest.fixture(scope="session")
 def volume(tmp_path_factory):
-    with jfs.volume_or_skip(str(tmp_path_factory.mktemp("jfs")), nodes=2) as vol:
+    with jfskit.volume_or_skip(str(tmp_path_factory.mktemp("jfs")), nodes=2) as vol:
         yield vol
 
 

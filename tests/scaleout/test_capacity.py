@@ -11,7 +11,7 @@ import os
 import threading
 import time
 
-import jfs
+from hicache_mp.bench import jfs
 from faultkit import MID, a_pass_begun_now_ended, content, evictor_passes, make, put, settle
 from workers import evictlease
 from workers.evictlease import LEASE_NAME

@@ -2,7 +2,7 @@
 shared-cluster fault suite).
 
 A JuiceFS mount is a supervisor holding the FUSE connection and a client
-serving it (tests/scaleout/jfs.py). Both killed: the mount is dead (ENOTCONN)
+serving it (hicache_mp/bench/jfs.py). Both killed: the mount is dead (ENOTCONN)
 until the operator mounts it again. The client alone killed: JuiceFS's
 supervisor starts another on the same connection and requests wait for it.
 
@@ -21,7 +21,8 @@ import time
 
 import pytest
 
-import jfs
+import jfskit
+from hicache_mp.bench import jfs
 from faultkit import MID, content, fingerprint, make, poison, put, wrong_pages
 
 PER_OP = 8
@@ -31,7 +32,7 @@ PER_OP = 8
 def volume(tmp_path):
     root = tmp_path / "jfs"
     root.mkdir()
-    with jfs.volume_or_skip(str(root), nodes=1) as vol:
+    with jfskit.volume_or_skip(str(root), nodes=1) as vol:
         yield vol
 
 

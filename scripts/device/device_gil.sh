@@ -4,17 +4,17 @@
 # with mp, idle and busy, GIL tracer), the hybrid harness (scripts/
 # device_hybrid.sh: SGLang's HybridCacheController), the main job's
 # 20-request TTFT (none and mp) and bench_prefetch. Needs .whl
-# (scripts/device_wheels.sh) carried. STEPS picks steps (default: all but
+# (scripts/device/device_wheels.sh) carried. STEPS picks steps (default: all but
 # hybrid, which fits one call only with a few of the others).
-# Usage: [STEPS="gil_hold stack hybrid lc prefetch"] scripts/device_gil.sh OUTDIR
+# Usage: [STEPS="gil_hold stack hybrid lc prefetch"] scripts/device/device_gil.sh OUTDIR
 set -u
-out=${1:?usage: scripts/device_gil.sh OUTDIR}
+out=${1:?usage: scripts/device/device_gil.sh OUTDIR}
 mkdir -p "$out"
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 # lc and prefetch need only posix_ipc: a call that carries .whl-vllm instead
-# (scripts/device_vllm.sh installs it) sets DEPS_DIR to that install
+# (scripts/device/device_vllm.sh installs it) sets DEPS_DIR to that install
 if [ -n "${DEPS_DIR:-}" ]; then export PYTHONPATH=$PWD:$DEPS_DIR${PYTHONPATH:+:$PYTHONPATH}
-else . scripts/device_deps.sh; fi
+else . scripts/device/device_deps.sh; fi
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1; nproc
 python3 -c "import numpy, sys; print('numpy', numpy.__version__, 'python', sys.version.split()[0])"
 step() {  # name limit cmd...: run, log to $out/name.log, say how it went
@@ -35,7 +35,7 @@ grep -v "^INFO\|Warning\|warnings.warn\|^{\"backend\|^sglang_real\|^sgl_kernel" 
 grep -o '"wakeups_per_batch_get": {[^}]*}' "$out/stack.log" | tail -n 1
 fi
 if want hybrid; then
-  bash scripts/device_hybrid.sh "$out"
+  bash scripts/device/device_hybrid.sh "$out"
 fi
 if want lc; then
 for b in none mp; do

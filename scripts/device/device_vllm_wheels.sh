@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetch and build, on a machine with PyPI, what the GPU box (Python 3.12,
 # torch+CUDA, transformers 5.17 with its own huggingface_hub < 2, no network)
-# lacks to run scripts/bench_vllm_tier.py there (scripts/device_vllm.sh):
+# lacks to run scripts/bench_vllm_tier.py there (scripts/device/device_vllm.sh):
 #  - cp312 manylinux wheels of .ci/vllm-requirements.txt, less vllm and what
 #    the box has (torch, triton, transformers, pillow, tokenizers and
 #    huggingface_hub: ours is 2.x, which the box's transformers refuses), plus
@@ -19,10 +19,10 @@
 # unpack of the tarball (PYTHONPATH as on the box; local python and torch).
 # Everything lands in .whl-vllm/ (ignored by git), under 60 MiB; the vLLM
 # wheel (336 MB) and sdist (47 MB) are kept in $cache between runs.
-# Usage: scripts/device_vllm_wheels.sh   (from anywhere; needs pip, g++, and
+# Usage: scripts/device/device_vllm_wheels.sh   (from anywhere; needs pip, g++, and
 # this repo's local test environment: torch, numpy, posix_ipc)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 dest=.whl-vllm
 cache=${HICACHE_MP_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hicache_mp}
 sdist_sha=f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112

@@ -9,10 +9,10 @@
 # multimodal_gen/test/benchmark) and packed as .whl/sglang-0.5.23-stripped.tar.gz
 # (about 11 MB; many small files would cost more to carry unpacked).
 # Everything lands in .whl/ (ignored by git), well under the 64 MiB a device
-# call carries. scripts/device_stack.sh installs from it on the box.
-# Usage: scripts/device_wheels.sh   (from the repository root)
+# call carries. scripts/device/device_stack.sh installs from it on the box.
+# Usage: scripts/device/device_wheels.sh   (from the repository root)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 dest=.whl
 mkdir -p "$dest"
 skip='^(sglang|torch|triton|transformers)=='

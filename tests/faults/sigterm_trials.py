@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """SIGTERM trials (issue 23's done-when): a server is stopped many times by another process.
 
+Equipment of the fault suite, not a test (pytest does not collect it) and not a
+user's script: it drives tests/faults/sigterm_kit.py's server many times over.
+
 Each trial starts a server process (tests/faults/sigterm_kit.py: a real
 engine, real workers, a real store; a loop that fills, backs up, prefetches,
 polls and waits) and sends it SIGTERM at a random point aimed at one phase:
@@ -12,8 +15,8 @@ the server took to stop (and how many stopped within 1 s plus the flush
 close() reported), exceptions other than EngineClosed that escaped, lost or
 wrong pages, and segments or processes left behind.
 
-    python3 scripts/sigterm_trials.py --trials 200
-    python3 scripts/sigterm_trials.py --trials 40 --handlers close --json out.json
+    python3 tests/faults/sigterm_trials.py --trials 200
+    python3 tests/faults/sigterm_trials.py --trials 40 --handlers close --json out.json
 """
 import argparse
 import collections
@@ -24,10 +27,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "faults")]
-
-import sigterm_kit as kit  # noqa: E402
+import sigterm_kit as kit  # this file's neighbour: python puts tests/faults/ first on the path
 
 BOUND_S = 1.0  # the done-when: stopped within a second, plus the flush it reported
 

@@ -3,16 +3,19 @@
 # limit: DeviceLoader correctness, H2D rates, prefetch ratios, cold storage
 # against raw ceilings, and a small full-geometry long-context run (the
 # 20-request run of docs/results.md needs calls of its own: stock `file` alone takes
-# about 6 minutes there). Usage: scripts/gpu_suite.sh OUTDIR [NUM_REQUESTS]
+# about 6 minutes there). Usage: scripts/device/gpu_suite.sh OUTDIR [NUM_REQUESTS]
 # Each step has its own time limit, so one slow step cannot eat the others.
 # The limits add up to more than the device's 10-minute call; run it with
 # the call's full limit and read what came back under OUTDIR. --pin-workers
 # is not measured any more: it lost on this VM (docs/results.md, Prefetch engine).
 set -u
-out=${1:?usage: scripts/gpu_suite.sh OUTDIR [NUM_REQUESTS]}
+out=${1:?usage: scripts/device/gpu_suite.sh OUTDIR [NUM_REQUESTS]}
 nreq=${2:-6}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/../.."
+# The scripts import the package from this checkout (the box has no pip install -e).
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 step() {  # step NAME SECONDS CMD...
   local name=$1 limit=$2; shift 2
   echo "=== $name (limit ${limit}s) ==="
@@ -24,7 +27,7 @@ step() {  # step NAME SECONDS CMD...
 echo "=== machine ==="
 nproc; (lscpu 2>/dev/null | grep -E "Model name|Thread|Core|Socket|NUMA node\(s\)") || true
 echo "thread siblings: $(cat /sys/devices/system/cpu/cpu*/topology/thread_siblings_list 2>/dev/null | sort -u | tr '\n' ' ')"
-step gpu_check 90 python3 scripts/gpu_check_device.py
+step gpu_check 90 python3 scripts/device/gpu_check_device.py
 TAIL=20 step bench_h2d 90 python3 scripts/bench_h2d.py --methods auto --json "$out/h2d.json"
 TAIL=16 step bench_prefetch 180 python3 scripts/bench_prefetch.py --workers 8 12 15 --pages 1024 --rounds 2 \
   --repeats 3 --storage-dir /tmp/hicache_mp_prefetch --json "$out/prefetch.json"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13's node-level figures on the GPU box, in one command (each part
 # time-limited; ~9 minutes for all): installs what the box lacks from .whl/
-# (scripts/device_wheels.sh; carry .whl), then runs the parts named (all by
+# (scripts/device/device_wheels.sh; carry .whl), then runs the parts named (all by
 # default):
 #   ranks      scripts/sglang_ranks.py with 2 and 4 ranks, each its own process,
 #              host pool, HiCacheController and engine (auto workers: the
@@ -19,14 +19,14 @@
 #              scheduler's loop rate quiet / another engine writing (found by
 #              probes) / the old whole-store rescan, in 16 rounds of
 #              interleaved 1 s slices (OUTDIR/discovery.log)
-# Usage: scripts/device_prod.sh OUTDIR [ranks] [storage] [mixed] [discovery]
+# Usage: scripts/device/device_prod.sh OUTDIR [ranks] [storage] [mixed] [discovery]
 set -u
-out=${1:?usage: scripts/device_prod.sh OUTDIR [ranks] [storage] [mixed] [discovery]}
+out=${1:?usage: scripts/device/device_prod.sh OUTDIR [ranks] [storage] [mixed] [discovery]}
 shift
 parts=${*:-ranks storage discovery}
 mkdir -p "$out"
-cd "$(dirname "$0")/.."
-. scripts/device_deps.sh
+cd "$(dirname "$0")/../.."
+. scripts/device/device_deps.sh
 nvidia-smi -L 2>/dev/null
 nproc
 quiet() { grep -v "^INFO\|Warning\|warnings.warn" "$1" | tail -n "$2"; }

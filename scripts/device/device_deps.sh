@@ -1,6 +1,6 @@
-# Sourced by scripts/device_stack.sh and scripts/device_hybrid.sh on the GPU box
+# Sourced by scripts/device/device_stack.sh and scripts/device/device_hybrid.sh on the GPU box
 # (from the repository root): installs from .whl/ (made by
-# scripts/device_wheels.sh) only what the box lacks into $deps, unpacks the
+# scripts/device/device_wheels.sh) only what the box lacks into $deps, unpacks the
 # stripped SGLang, and puts both on PYTHONPATH. Exits 3 if the install fails.
 deps=${HICACHE_MP_DEVICE_DEPS:-/tmp/hicache_mp_deps}
 mkdir -p "$deps"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The vLLM tier's figures on the GPU box, in one command (about 5 minutes on
 # 16 cores; its timeouts add up to 9 min 10 s): installs from .whl-vllm/ (made
-# beforehand by scripts/device_vllm_wheels.sh on a machine with PyPI; carry
+# beforehand by scripts/device/device_vllm_wheels.sh on a machine with PyPI; carry
 # .whl-vllm) the wheels into $deps and the stripped vLLM into /tmp/vllm, marked +cpu so vLLM
 # takes its CPU platform (the tier moves no GPU bytes; no CUDA platform init),
 # then runs
@@ -15,23 +15,23 @@
 #  - scripts/bench_vllm_capacity.py: this tier under storage_max_bytes of
 #    3/8 x ROWS pages, 4 rounds of ROWS/4 new pages -> OUTDIR/vllm_capacity.json,
 #    OUTDIR/vllm_capacity.log;
-# and prints the summary. It does not source scripts/device_deps.sh: that is
+# and prints the summary. It does not source scripts/device/device_deps.sh: that is
 # SGLang's (.whl/), which this run neither needs nor can carry beside this.
-# Usage: scripts/device_vllm.sh OUTDIR [ROWS [REPEATS]]   (ROWS: rows per phase,
+# Usage: scripts/device/device_vllm.sh OUTDIR [ROWS [REPEATS]]   (ROWS: rows per phase,
 # default 2048 = 4 GiB, lowered to what /dev/shm holds; REPEATS: interleaved
 # rounds of every tier row, medians in the table, default 1)
 set -u
-out=${1:?usage: scripts/device_vllm.sh OUTDIR [ROWS]}
+out=${1:?usage: scripts/device/device_vllm.sh OUTDIR [ROWS]}
 rows=${2:-2048}
 repeats=${3:-1}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 whl=.whl-vllm
 deps=${HICACHE_MP_DEVICE_DEPS:-/tmp/hicache_mp_vllm_deps}
 export PYTHONUNBUFFERED=1 VLLM_TARGET_DEVICE=cpu
 t0=$SECONDS
-test -f "$whl/vllm-0.33.0-stripped.tar.gz" || { echo "no $whl: run scripts/device_vllm_wheels.sh and carry $whl"; exit 3; }
+test -f "$whl/vllm-0.33.0-stripped.tar.gz" || { echo "no $whl: run scripts/device/device_vllm_wheels.sh and carry $whl"; exit 3; }
 # A warm machine keeps both from the call before.
 if [ ! -f "$deps/.installed" ]; then
   rm -rf "$deps" && mkdir -p "$deps"

@@ -20,10 +20,9 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine  # noqa: E402
-from hicache_mp.device import DeviceLoader  # noqa: E402
+from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine
+from hicache_mp.device import DeviceLoader
 
 POISON = 0x7BAD
 LAYOUTS = ("page_first", "layer_first")

@@ -4,11 +4,11 @@ Owns starting and stopping the volume (`juicefs format` with the `file` object
 store and SQLite metadata, one `juicefs mount -d` per node, each with its own
 cache directory and log), killing a node's client and mounting it again (the
 fault suite's client death), and one read of its metadata engine
-(`MetaView`), and nothing else: tests and the benchmark put their stores under the mounts. Two mounts of one volume are two independent clients:
+(`MetaView`), and nothing else: tests and the benchmark put their stores under the mounts
+(the tests' skip-or-volume fixture is tests/scaleout/jfskit.py's). Two mounts of one volume are two independent clients:
 each has its own kernel dentry/attribute cache and its own JuiceFS buffers,
 and they agree only through the metadata engine, as two machines would.
 """
-import contextlib
 import os
 import shutil
 import signal
@@ -105,24 +105,6 @@ class Volume:
         while client_pids(self.meta) and time.monotonic() < deadline:
             time.sleep(0.05)
         self.mounts = []
-
-
-@contextlib.contextmanager
-def volume_or_skip(root: str, nodes: int):
-    """A Volume under `root` for a fixture; the test skips without JuiceFS, and
-    fails if a client is still running once the volume is closed."""
-    import pytest  # tests only: scripts/bench_scaleout.py imports this module without it
-    why = unavailable()
-    if why:
-        pytest.skip(why)
-    vol = Volume(root, nodes=nodes)
-    try:
-        yield vol
-    finally:
-        meta = vol.meta
-        vol.close()
-        left = client_pids(meta)
-        assert not left, f"juicefs clients left running: {left}"
 
 
 def client_pids(meta: str, mount: str | None = None) -> list[int]:
