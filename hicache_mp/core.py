@@ -42,14 +42,14 @@ from .config import POLICIES, EngineConfig
 from .discovery import Discovery
 from .index import StoreIndex
 from .ledger import OpLedger
-from .lookups import Lookups
+from .lookups import IndexLookups
 from .ops import READ, WRITE, Op
 from .ownership import Ownership
 
 __all__ = ["EngineCore", "EngineClosed", "EngineForked", "check_timeout"]
 
 
-class EngineCore(Lookups, Closing, Ownership):
+class EngineCore(IndexLookups, Closing, Ownership):
     backend = "?"
 
     def __init__(self, config: EngineConfig, geometry: PageGeometry):

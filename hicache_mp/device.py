@@ -237,14 +237,13 @@ class DeviceLoader(Copies):
         start, end = h.issued, avail
         issue_ns = time.perf_counter_ns()
         with stream_context(self._load_stream):
-            if h._ready is not None:
-                if self.cuda:
-                    self._load_stream.wait_event(h._ready)
-                h._ready = None
+            ready = h.take_ready()
+            if ready is not None and self.cuda:
+                self._load_stream.wait_event(ready)
             ev0 = self._record(self._load_stream) if self._clock else None
             layer_events = self._issue_load(h.host_pages[start:end], h.device_pages[start:end])
             last = layer_events[-1]
-        h._issued_batch(end, last, layer_events)
+        h.issued_batch(end, last, layer_events)
         if self.timing:
             h.batches.append((start, end, issue_ns, ev0, last))
         return end - start

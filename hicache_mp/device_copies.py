@@ -183,6 +183,6 @@ class Copies:
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
-    def _stream_wait(self, event, stream=None) -> None:
+    def stream_wait(self, event, stream=None) -> None:
         if self.cuda and event is not DONE:
             (stream or torch.cuda.current_stream(self.device)).wait_event(event)

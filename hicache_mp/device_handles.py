@@ -84,7 +84,7 @@ class LoadHandle:
 
     def wait_layer(self, layer: int, stream=None) -> None:
         """Make `stream` (default: the current one) wait for layer `layer`, without blocking the host."""
-        self.loader._stream_wait(self._layer_events[layer], stream)
+        self.loader.stream_wait(self._layer_events[layer], stream)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until `done` (driving the engine and the loader meanwhile)."""
@@ -103,7 +103,15 @@ class LoadHandle:
             else:
                 time.sleep(BACKOFF_S)  # someone else polls the engine
 
-    def _issued_batch(self, end: int, event, layer_events) -> None:
+    # --- the loader's calls (hicache_mp.device) ------------------------------
+    def take_ready(self):
+        """The caller's stream event to wait on before the first copy, once
+        (None after: later batches follow on the load stream)."""
+        ready, self._ready = self._ready, None
+        return ready
+
+    def issued_batch(self, end: int, event, layer_events) -> None:
+        """Pages up to `end` are issued; `event` covers them, `layer_events` per layer."""
         self.issued = end
         self._pending.append((end, event))
         self._layer_events = layer_events

@@ -1,13 +1,14 @@
-"""Lookups: which keys have a page in the store, as far as this engine knows.
+"""IndexLookups: which keys have a page in the store, as far as this engine knows.
 
 Owns the public calls on the exists index (exists, ask, present,
-mark_present, forget_all, indexed_pages, refresh) and the wait for probe
-answers. Must not make a system call on the caller's thread (the index is
+awaiting_discovery, mark_present, forget_all, indexed_pages, refresh) and the
+wait for probe answers. Must not make a system call on the caller's thread (the index is
 in memory; workers stat the store for keys it misses, hicache_mp.discovery)
 nor let the GIL go outside the engine's one sleep (decision 74).
 
-`Lookups` is a mixin of EngineCore, whose `__init__` makes the index, the
-discovery table and the lock it uses.
+`IndexLookups` is a mixin of EngineCore, whose `__init__` makes the index,
+the discovery table and the lock it uses. (The vLLM adapter's per-step
+lookups are hicache_mp.integrations.vllm_lookup.Lookups, on top of these.)
 """
 import time
 
@@ -20,7 +21,7 @@ from .closing import EngineClosed
 from .index import StoreIndex
 
 
-class Lookups:
+class IndexLookups:
     """EngineCore's exists-index calls."""
 
     def exists(self, keys, *, wait_s: float = 0.0) -> int:
@@ -79,6 +80,15 @@ class Lookups:
                 self._ask(missing, time.monotonic() + wait_s, whole=True)
             except Exception as exc:
                 raise self._closed_during("ask()", exc)
+
+    def awaiting_discovery(self, keys) -> bool:
+        """Whether a probe of one of `keys` is out and not yet answered (an
+        `ask()` or `exists()` sent it; `poll()` takes the answer in). No
+        syscall, no lock: one set lookup per key, as `present()`."""
+        if self._forked:
+            self._refuse_in_child()
+        ns, waiting = self.namespace, self._discovery.waiting
+        return any(naming.key_digest(k, ns) in waiting for k in keys)
 
     def _ask(self, keys, deadline: float, whole: bool) -> None:
         """Probe `keys` (the first is unknown; with `whole`, the rest too) and

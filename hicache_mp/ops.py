@@ -105,6 +105,11 @@ class Op:
 
     # --- what callers read --------------------------------------------------
     @property
+    def cancelled(self) -> bool:
+        """cancel() was called (pages not yet started are skipped)."""
+        return self._cancelled
+
+    @property
     def completed_pages(self) -> int:
         """Leading pages that landed, in order. Frozen at cancel time."""
         return self._frozen_lead if self._cancelled else self._lead

@@ -44,7 +44,7 @@ class ThreadedFileEngine(InProcessThreads, EngineCore):
     def _loop(self, kind: str) -> None:
         for op, pos in self._queued(kind):
             t0 = time.perf_counter_ns()
-            if op._cancelled or self._stopping:
+            if op.cancelled or self._stopping:
                 code, err = st.CANCELLED, 0
             elif kind == READ:
                 code, err = self._read(op, pos)
@@ -104,7 +104,7 @@ class ThreadedFileEngine(InProcessThreads, EngineCore):
         return n
 
     def _cancel_io(self, op: Op) -> None:
-        pass  # the threads check op._cancelled before each page
+        pass  # the threads check op.cancelled before each page
 
     def _num_workers(self) -> int:
         return 1

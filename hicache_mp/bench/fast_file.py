@@ -90,12 +90,12 @@ class FastFileEngine(InProcessThreads, EngineCore):
     def _loop(self, kind: str) -> None:
         for op in self._queued(kind):
             todo = [pos for pos in range(op.num_pages) if op.page_status[pos] == st.PENDING]
-            if kind == READ and todo and not (op._cancelled or self._stopping):
+            if kind == READ and todo and not (op.cancelled or self._stopping):
                 todo = self._hit_query(op, todo)
             for i in range(0, len(todo), STORAGE_BATCH_SIZE):
                 batch = todo[i:i + STORAGE_BATCH_SIZE]
                 t0 = time.perf_counter_ns()
-                if op._cancelled or self._stopping:
+                if op.cancelled or self._stopping:
                     results = [(st.CANCELLED, 0)] * len(batch)
                 else:
                     results = self._transfer(op, batch, kind == READ)
@@ -252,7 +252,7 @@ class FastFileEngine(InProcessThreads, EngineCore):
         return n
 
     def _cancel_io(self, op: Op) -> None:
-        pass  # the controller threads check op._cancelled before each batch
+        pass  # the controller threads check op.cancelled before each batch
 
     def _stop_helpers(self) -> None:
         for ex in (self._read_executor, self._write_executor):

@@ -13,7 +13,6 @@ the engine's own negative cache allows). Must not block or make system calls.
 """
 import time
 
-from workers import naming
 from workers.timing import PROBE_TTL_S
 
 # Keys remembered between steps; emptied when full (a forgotten key is asked again).
@@ -61,7 +60,4 @@ class Lookups:
         return bool(self.queued)
 
     def _unanswered(self, key: str) -> bool:
-        # The engine's discovery knows which probes are out; it has no public
-        # call for that yet (asked of the lead: EngineCore.asking(keys)).
-        eng = self.engine
-        return naming.key_digest(key, eng.namespace) in eng._discovery.waiting
+        return self.engine.awaiting_discovery((key,))  # its probe is out, no answer yet
