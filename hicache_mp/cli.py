@@ -100,6 +100,7 @@ from .bench.sim.summary import format_comparison, format_summary, format_verdict
 from .config import add_engine_flags, engine_options
 from .integrations.common.identity import model_identity
 from .integrations.sglang.layouts import RAW_LAYOUTS
+from .integrations.sglang import serve as sglang_serve
 from .integrations.sglang.store_import import import_sglang_store, shards_for
 
 BACKEND_CHOICES = ("all", "none", "file", "fast_file", "mp")
@@ -187,7 +188,31 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _bench_parser(sub)
     _import_sglang_parser(sub)
+    _sglang_serve_parser(sub)
     return parser
+
+
+# --- sglang-serve (logic: hicache_mp.integrations.sglang.serve) ---------------
+def _sglang_serve_parser(sub) -> argparse.ArgumentParser:
+    p = _command(sub, "sglang-serve", cmd_sglang_serve)
+    p.add_argument("server_args", nargs=argparse.REMAINDER, metavar="-- LAUNCH_SERVER_ARGS",
+                   help="everything after -- goes to SGLang's launch_server as is")
+    return p
+
+
+def cmd_sglang_serve(args, argv=None) -> int:
+    """Start SGLang 0.5.23's server with the HiCache storage fast path installed
+
+    Installs hicache_mp.integrations.sglang.fastpath in this process and in
+    every scheduler process SGLang starts, then runs SGLang's HTTP server as
+    `python -m sglang.launch_server` would, with the arguments after `--`.
+    Any other SGLang version is refused. Example:
+
+        hicache-mp sglang-serve -- --model-path Qwen/Qwen3-8B \
+            --enable-hierarchical-cache --hicache-storage-backend file
+    """
+    rest = args.server_args[1:] if args.server_args[:1] == ["--"] else args.server_args
+    return sglang_serve.main(rest)
 
 
 # --- import-sglang (logic: hicache_mp.integrations.sglang.store_import) --------

@@ -359,3 +359,25 @@ def test_handoffs_per_batch(tmp_path):
     assert not any(r["kind"] == "Tensor.item" for r in own["fast"])
     assert any(r["thread"] == "prefetch_sync_thread_func" for r in own["stock"])
     assert waits["stock"] > waits["fast"]
+
+
+# --- the launcher: hicache-mp sglang-serve -- <launch_server args> -------------------------
+def test_sglang_serve_launcher(capsys):
+    import pickle
+    from hicache_mp import cli
+    from hicache_mp.integrations.sglang import serve
+    with pytest.raises(SystemExit) as e:
+        cli.main(["sglang-serve", "--help"])
+    assert e.value.code == 0 and "LAUNCH_SERVER_ARGS" in capsys.readouterr().out
+    # another SGLang: refused before anything starts, nothing patched
+    assert serve.main(["--model-path", "x"], version="0.6.0") == 2
+    assert "built and tested for SGLang 0.5.23" in capsys.readouterr().err
+    assert not fastpath.installed()
+    # the arguments after -- reach SGLang's own parser, after the install
+    with pytest.raises(SystemExit) as e:
+        cli.main(["sglang-serve", "--", "--help"])
+    assert e.value.code == 0 and fastpath.installed()
+    out = capsys.readouterr()
+    assert "--model-path" in out.out and "fast path installed" in out.err
+    # SGLang spawns its schedulers: the entry it is given travels by name
+    assert pickle.loads(pickle.dumps(serve.run_scheduler_process)) is serve.run_scheduler_process
