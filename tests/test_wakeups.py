@@ -5,6 +5,7 @@ import os
 
 import torch
 
+from hicache_mp.bench.loop import lcg
 from helpers import backed_up, engine, fill, random_pages, read_back
 from workers.timing import TARGET_CAP_S
 
@@ -166,8 +167,7 @@ def test_a_busy_scheduler_wakes_the_waiter_ahead_of_its_batch_end_with_exact_byt
         def scheduler():   # pure Python: gives the GIL up only at the switch interval
             x = 1
             while not stop.is_set():
-                for i in range(2000):
-                    x = (x * 1103515245 + i) & 0xFFFFFFFF
+                x = lcg(x, 2000)  # the SGLang stack harness's kernel, longer between checks
 
         t = threading.Thread(target=scheduler)
         t.start()

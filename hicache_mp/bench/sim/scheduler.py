@@ -44,7 +44,9 @@ system calls, and the baselines look faster than they are in production
 (`bench` warns about such a run). The loop's own bookkeeping is its per-step
 work; it is not padded to SGLang's heavier step (tens of microseconds of
 batch building): a longer step holds the GIL no more and no less, as long as
-it does not release it, and only slows the loop's reaction.
+it does not release it, and only slows the loop's reaction. So it is not
+the stand-in busy loop of `hicache_mp.bench.loop` (a fixed step of
+bookkeeping beside a poll): its steps are this model's own bookkeeping.
 """
 from __future__ import annotations
 
