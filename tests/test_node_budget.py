@@ -1,5 +1,5 @@
 """The node-wide worker budget: engines with auto workers, each in its own
-process, share physical cores less two per scheduler's process; a dead engine's share
+process, share the cores less one or two per scheduler's process (decision 89); a dead engine's share
 is freed; nothing is left in the registry directory."""
 import os
 import signal

@@ -52,7 +52,7 @@ class BenchConfig:
     page_size: int = 64
     layout: str = "page_first"
     dtype: str = "bfloat16"
-    workers: int = 0                # 0: auto (physical cores less two for the scheduler's process)
+    workers: int = 0                # 0: auto (the CPUs this process may use less one or two for the scheduler's process)
     policy: str = "wait_complete"
     timeout_s: float = 10.0
     yield_ms: float = 1.0           # the file+yield run's sleep per loop iteration
