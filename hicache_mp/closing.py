@@ -4,8 +4,8 @@ Owns close()'s order (refuse new work, cancel the prefetches, flush the
 backups, stop the I/O, cancel what is left, wake the other threads' sleepers
 and wait for them to leave, release shared memory), the per-thread count of
 threads asleep inside the engine, and the close report. Must not move page
-bytes or know the workers: the engine's hooks (`_shutdown_io`,
-`_wake_sleepers`, `_release_shm`) do that.
+bytes or know the workers: the engine's I/O backend (`_io`:
+shutdown, wake_all, release; hicache_mp.iobackend) does that.
 
 A server closes the engine in its SIGTERM handler, and a handler runs on the
 main thread between two bytecodes, perhaps in the middle of an engine call on
@@ -57,7 +57,7 @@ class Closing:
     """EngineCore's close(): the mixin's state is set by `_init_closing`."""
 
     def _init_closing(self) -> None:
-        self._sleepers: dict = {}      # thread id -> its frames inside _sleep_for_completion
+        self._sleepers: dict = {}      # thread id -> its frames asleep in the I/O's sleep
         self._in_close: dict = {}      # thread id -> its frames inside close()
         self._sleepers_gone = threading.Condition(self._lock)
         self._closer = None            # the thread whose close() came first
@@ -85,12 +85,12 @@ class Closing:
             self._sleepers_gone.notify_all()
 
     def _sleep_counted(self, timeout_s: float, op=None) -> bool:
-        """One `_sleep_for_completion`, this thread counted asleep for close()
+        """One sleep of the I/O backend's, this thread counted asleep for close()
         meanwhile; False (no sleep) once nothing is left to sleep on."""
         if not self._enter_sleep():
             return False
         try:
-            self._sleep_for_completion(timeout_s, op)
+            self._io.sleep(timeout_s, op)
         finally:
             self._leave_sleep()
         return True
@@ -167,7 +167,7 @@ class Closing:
             for op in ops:
                 if op.kind == READ and not op.done:
                     op._cancel()
-                    self._cancel_io(op)
+                    self._io.cancel(op)
         pages = sum(op._remaining for op in writes)
         deadline = t0 + timeout_s
         try:
@@ -195,7 +195,7 @@ class Closing:
         there is interrupted, not asleep)."""
         todo, last, since, idle_since = list(writes), -1, time.monotonic(), None
         if quiet:
-            self._nudge_io()  # the update it interrupted may have queued pages unannounced
+            self._io.nudge()  # the update it interrupted may have queued pages unannounced
         while True:
             self.poll()
             todo = [op for op in todo if not op.done]
@@ -209,7 +209,7 @@ class Closing:
                 if remaining != last:
                     last, since, idle_since = remaining, now, None
                     continue
-                idle_since = (idle_since or now) if self._io_idle() else None
+                idle_since = (idle_since or now) if self._io.idle() else None
                 if now - since >= FLUSH_QUIET_S or \
                         (idle_since is not None and now - idle_since >= FLUSH_IDLE_S):
                     return (f"no backup page completed for {now - since:.2f}s after close() "
@@ -230,7 +230,7 @@ class Closing:
                 try:
                     if self.loader is not None:
                         self.loader.close()
-                    self._shutdown_io()
+                    self._io.shutdown()
                 except Exception as exc:
                     if not self._released:  # else a nested close() released it under us
                         error = exc
@@ -250,7 +250,7 @@ class Closing:
                 # Sleepers on other threads leave the semaphore before it goes;
                 # this thread's own (a handler that interrupted its wait) find
                 # the engine closed when the handler returns.
-                self._wake_sleepers()
+                self._io.wake_all()
                 if not self._sleepers_gone.wait_for(lambda: not self._others_asleep(me),
                                                     timeout=SLEEPERS_GONE_S):
                     log.warning("hicache_mp close(): threads still inside wait() after %ss; "
@@ -267,20 +267,12 @@ class Closing:
         if error is not None:
             raise error
 
-    def _nudge_io(self) -> None:
-        """Wake every I/O worker once (the engine's hook; none in-process)."""
-
-    def _io_idle(self) -> bool:
-        """Nothing waits in the I/O's queues and nothing is being read or
-        written (the engine's hook; in-process: never known)."""
-        return False
-
     def _release_now(self) -> None:
         with self._lock:
             if self._released:
                 return
             self._released = True
-            self._release_shm()
+            self._io.release()
 
 
 def _flush_report(pages: int, flushed: int, flush_s: float, why) -> dict:

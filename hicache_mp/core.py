@@ -1,4 +1,4 @@
-"""EngineCore: the scheduler-side half shared by the `mp` engine and the `file` baseline.
+"""EngineCore: the scheduler-side half of every engine, over one I/O backend.
 
 Owns the key namespace, the engine's lock and open/closed flags, starting
 an op (input checks, then the books' admission), cancel, poll, blocking
@@ -8,9 +8,11 @@ forked child's refusal (hicache_mp.ownership); the input checks are
 hicache_mp.checks. The books themselves (ops in flight, slots, pins,
 counts, the landed order, the backup budget) are one object,
 hicache_mp.ledger.OpLedger (`_ledger`), changed only through its rules and
-under the lock. Must not move page bytes: subclasses hand records to their
-I/O (worker processes for `mp`, a Python thread for `file`) and feed
-completions back through the ledger.
+under the lock. Must not move page bytes: its I/O backend does
+(hicache_mp.iobackend: worker processes for `mp`, hicache_mp.engine; Python
+threads for the `file` and `fast_file` baselines, hicache_mp.bench), made
+from the engine's narrow IOContext and feeding completions back through the
+ledger.
 
 Host slots named in an op are reserved from submit until the op is `done`
 (every page accounted for), because an I/O may still be writing into them;
@@ -29,6 +31,7 @@ per op and one decrement per completed page, no syscalls.
 import math
 import threading
 import time
+from typing import Callable
 
 from shm import PageGeometry
 from workers import naming
@@ -41,6 +44,7 @@ from .closing import Closing, EngineClosed, EngineForked
 from .config import POLICIES, EngineConfig
 from .discovery import Discovery
 from .index import StoreIndex
+from .iobackend import IOBackend, IOContext
 from .ledger import OpLedger
 from .lookups import IndexLookups
 from .ops import READ, WRITE, Op
@@ -50,9 +54,10 @@ __all__ = ["EngineCore", "EngineClosed", "EngineForked", "check_timeout"]
 
 
 class EngineCore(IndexLookups, Closing, Ownership):
-    backend = "?"
-
-    def __init__(self, config: EngineConfig, geometry: PageGeometry):
+    def __init__(self, config: EngineConfig, geometry: PageGeometry,
+                 make_io: Callable[[IOContext], IOBackend]):
+        """`make_io`: makes the engine's I/O backend from what it may use of
+        the engine (hicache_mp.iobackend), last, once the books exist."""
         if not isinstance(geometry, PageGeometry):
             raise ValueError(f"geometry must be a PageGeometry, got {type(geometry).__name__}")
         check_pool_size(geometry.pool_bytes(config.host_pool_pages))
@@ -78,9 +83,15 @@ class EngineCore(IndexLookups, Closing, Ownership):
         self._start_ns = time.perf_counter_ns()
         self._last_rescan = time.monotonic()
         self._poll_calls = 0
-        self._lazy_skips = 0      # lazy polls that drained nothing (decision 88)
         self.loader = None
         self._discovery = Discovery()
+        self._io = make_io(IOContext(
+            config=config, geometry=geometry, namespace=self.namespace, store=self._store,
+            index=self._index, discovery=self._discovery, ledger=self._ledger, lock=self._lock,
+            closed=lambda: self._closed, released=lambda: self._released,
+            rescan=self._start_rescan, start_ns=self._start_ns))
+        self.backend = self._io.name
+        self.host_pool = self._io.host_pool
         self._own()
 
     # --- open, closed, forked -------------------------------------------------
@@ -103,11 +114,11 @@ class EngineCore(IndexLookups, Closing, Ownership):
     # --- public API -----------------------------------------------------------
     def worker_count(self) -> int:
         """I/O workers (processes for `mp`, threads for `file`)."""
-        return self._num_workers()
+        return self._io.num_workers()
 
     def worker_pids(self) -> list:
         """Process ids of the I/O workers (`mp`; empty for in-process I/O)."""
-        return self._worker_pids()
+        return self._io.pids()
 
     def prefetch(self, keys, host_pages, *, policy: str | None = None,
                  timeout_s: float | None = None) -> Op:
@@ -145,7 +156,7 @@ class EngineCore(IndexLookups, Closing, Ownership):
             op._cancel()
             if not self._closed:
                 try:
-                    self._cancel_io(op)
+                    self._io.cancel(op)
                 except Exception:
                     if not self._closed:  # else closed under us: close() ends the op
                         raise
@@ -175,7 +186,7 @@ class EngineCore(IndexLookups, Closing, Ownership):
         try:
             with self._lock:
                 self._poll_calls += 1
-                n = self._drain(lazy)
+                n = self._io.drain(lazy)
                 if self.loader is not None:
                     self.loader.step()
                 if self.config.rescan_interval_s and \
@@ -228,13 +239,13 @@ class EngineCore(IndexLookups, Closing, Ownership):
     def _metrics(self) -> dict:
         with self._lock:
             now = time.perf_counter_ns()
-            out = {"backend": self.backend, "workers": self._num_workers(),
+            out = {"backend": self.backend, "workers": self._io.num_workers(),
                    "index_pages": len(self._index),
                    "stale_tmp_removed": self._index.stale_tmp_removed,
                    "poll_calls": self._poll_calls,
-                   "page_bytes": self.geometry.page_bytes, "lazy_polls_skipped": self._lazy_skips}
+                   "page_bytes": self.geometry.page_bytes, "lazy_polls_skipped": 0}  # the backend's count, if it polls lazily
             out.update(self._ledger.metrics(now, self.geometry.page_bytes))
-            out.update(self._io_metrics(now))
+            out.update(self._io.metrics(now))
             out["close"] = self._close_report
             return out
 
@@ -274,7 +285,7 @@ class EngineCore(IndexLookups, Closing, Ownership):
         with self._lock:
             if self._closed or self._closing:
                 raise EngineClosed("engine is closed")
-            self._check_accepting()
+            self._io.check_accepting()
             ledger = self._ledger
             ledger.check_free(pages)
             op = Op(ledger.new_id(), kind, keys, pages, digests, self.geometry.page_bytes,
@@ -285,26 +296,9 @@ class EngineCore(IndexLookups, Closing, Ownership):
             op.digest_bytes = b"".join(digests)  # the pins' and the records' (striping) source
             if not ledger.admit(op, time.perf_counter_ns()):
                 return op
-            self._submit(op)
+            self._io.submit(op)
             return op
 
     def _start_rescan(self) -> None:
         self._last_rescan = time.monotonic()
         threading.Thread(target=self.refresh, name="hicache_mp-rescan", daemon=True).start()
-
-    # --- subclass hooks -------------------------------------------------------
-    def _check_accepting(self) -> None:
-        """Raise if the I/O side takes no more work (before anything is reserved)."""
-
-    def _submit(self, op: Op) -> None: raise NotImplementedError
-    def _probe(self, keys, whole: bool) -> set: return set()  # discovery; the mp engine's workers answer
-    def _drain(self, lazy: bool = False) -> int: raise NotImplementedError  # lazy: decision 88
-    def _cancel_io(self, op: Op) -> None: raise NotImplementedError
-    def _sleep_for_completion(self, timeout_s: float, op=None) -> None: raise NotImplementedError
-    def _wake_sleepers(self) -> None: pass
-    def _worker_pids(self) -> list: return []
-    def _forget_resources(self) -> None: pass
-    def _shutdown_io(self) -> None: raise NotImplementedError
-    def _release_shm(self) -> None: raise NotImplementedError
-    def _num_workers(self) -> int: raise NotImplementedError
-    def _io_metrics(self, now_ns: int) -> dict: return {}

@@ -22,15 +22,16 @@
                               under them; poll() pops its evict ring and the
                               index forgets those pages
 
-Owns the public `mp` engine and the wiring of its parts, each a module of
+Owns the public `mp` engine and its I/O backend, `WorkerIO`
+(hicache_mp.iobackend's protocol): the wiring of its parts, each a module of
 one job: engine_build (resources, made at start and released at close),
 striping (records, which worker gets which share), draining (rings into the
 books), supervisor (health, watchdog, fences, respawns) and waiters (the
 wake-up protocol, its numbered note); each is handed the ledger
 (hicache_mp.ledger: ops, slot reservations, pins, counts), the lock and what
 it serves, never the engine. EngineCore (hicache_mp.core) keeps input checks,
-the index, waits, metrics. Must
-not grow a job of its own here: a hook below only hands over to a part.
+the index, waits, metrics, and calls WorkerIO through the protocol. Must
+not grow a job of its own here: each WorkerIO call only hands over to a part.
 
 Direct I/O is decided once, at start (workers.directio.resolve): off, or the
 store's filesystem accepts O_DIRECT and the geometry's page runs are 4096-byte
@@ -59,13 +60,14 @@ from .core import EngineCore, check_timeout
 from .discovery import PROBE_MAX
 from .draining import Draining
 from .engine_build import shm_bytes  # noqa: F401 (API: hicache_mp.engine.shm_bytes)
+from .iobackend import IOContext
 from .ops import Op
 from .striping import Striping
 from .supervisor import Supervisor
 from .waiters import Waiters
 
 # The completions of one op in one drain go through OpLedger.apply_many from
-# this many up, else page by page (hicache_mp.draining; read at each drain, so
+# this many up, else page by page (OpLedger.settle; read at each drain, so
 # a benchmark or test may set it here). Bulk has a fixed cost of ~90 µs per call on
 # the 2-core CI box (some twenty numpy calls) against ~4.2 µs per page page by
 # page; scripts/bench_poll.py measured both in one run: bulk wins from about 40
@@ -74,7 +76,7 @@ BATCH_APPLY_MIN = 64
 
 
 class PrefetchEngine(EngineCore):
-    backend = "mp"
+    """The `mp` engine: an EngineCore over WorkerIO."""
 
     def __init__(self, config: EngineConfig, geometry: PageGeometry, *, pool_fd: int | None = None,
                  pool_parts=None, aux_workers: int | None = None):
@@ -98,89 +100,16 @@ class PrefetchEngine(EngineCore):
         this many from the node's budget and counts as no scheduler there
         (hicache_mp.nodebudget).
         """
-        super().__init__(config, geometry)
-        self._segments, self._pool, self._evictor = [], None, None
-        res = engine_build.build(config, geometry, self._store.roots, pool_fd=pool_fd,
-                                 pool_parts=pool_parts, aux_workers=aux_workers)
-        self.stale_removed = res.stale_removed
-        self.tag = res.tag
-        self.shared_pool = res.shared_pool
+        super().__init__(config, geometry, lambda ctx: WorkerIO(
+            ctx, self, pool_fd=pool_fd, pool_parts=pool_parts, aux_workers=aux_workers))
+        io, res = self._io, self._io.built
+        self.stale_removed, self.tag, self.shared_pool = res.stale_removed, res.tag, res.shared_pool
         self.direct_io, self.direct_io_reason = res.direct_io, res.direct_io_reason
-        self.host_pool = res.host_pool
         self.done_sem = res.done_sem
-        self._control = res.control
-        self._ledger.share_pins(self._control.pins)  # the evictor reads the same table
-        self._evictor = res.evictor
-        self._pool = res.pool
-        self._segments = res.segments
-        self._striping = Striping(self._pool, self._control)
-        # The parts hold the books (the ledger), the lock and what they serve,
-        # never the engine; a question about the engine's state is a callable.
-        self._draining = Draining(self._ledger, self._discovery, self._index, self._pool,
-                                  self._control, self._evictor)
-        self._supervisor = Supervisor(self._ledger, self._lock, config, self._pool,
-                                      self._control, self._evictor, self._drain_ring,
-                                      self._start_rescan)
-        self._waiters = Waiters(self._lock, self._ledger, self._drain, lambda: self._closed,
-                                lambda: self._released, self._control, self.done_sem)
-        # The cgroup's throttle counters, read once a second from the drain
-        # (hicache_mp.cpubudget); nothing at all where no quota binds.
         self.cpu_budget = res.cpu_budget
-        self._throttle = ThrottleWatch(res.cpu_budget, len(self._pool))
-        # Segments go even if the caller forgets close() or an exception unwinds.
-        self._finalizer = weakref.finalize(self, engine_build.release, os.getpid(), self._pool,
-                                           list(self._segments))
-
-    # --- hooks: each hands over to one part -----------------------------------------
-    def _check_accepting(self) -> None:
-        self._pool.check()
-
-    def _submit(self, op: Op) -> None:
-        rejected = self._striping.submit(op)
-        if rejected:
-            now = time.perf_counter_ns()
-            apply = self._ledger.apply
-            for pos in rejected:  # backpressure: say so per page, never queue unbounded
-                apply(op, pos, st.BUSY, 0, 0, now)
-
-    def _probe(self, keys, whole: bool) -> set:
-        """Hand probes for `keys` (the first is missing from the index; the
-        others too with `whole`) to the workers; the digests still
-        unanswered among them (hicache_mp.discovery)."""
-        if self._pool is None or self._pool.closed or self._pool.broken:
-            return set()
-        if not self._pool.usable():
-            return set()
-        ns, disc, now = self.namespace, self._discovery, time.monotonic()
-        asked = [naming.key_digest(keys[0], ns)]
-        if whole:
-            known = self._index.digests
-            for key in keys[1:PROBE_MAX]:
-                d = naming.key_digest(key, ns)
-                if d not in known:
-                    asked.append(d)
-        # Within PROBE_TTL_S of the last asking a key is not asked again; if
-        # that ask is still unanswered, the caller waits for it all the same.
-        ask = [d for d in asked if disc.due(d, now)]
-        if ask:
-            disc.mark(self._striping.probe(ask), now)
-        return disc.waiting.intersection(asked)
-
-    def _drain(self, lazy: bool = False) -> int:
-        if self._pool is None or self._pool.closed:
-            return 0
-        if lazy and not self._draining.due():
-            n = 0
-            self._lazy_skips += 1
-            self._draining.evicted()
-        else:
-            n = self._draining.rings(BATCH_APPLY_MIN)
-        self._supervisor.maybe_check()
-        self._throttle.maybe_check()
-        return n
-
-    def _drain_ring(self, ring) -> int:
-        return self._draining.ring(ring, BATCH_APPLY_MIN)
+        # The same objects under the names tests and tools inspect the workers by.
+        self._pool, self._control, self._evictor = io.pool, io.control, io.evictor
+        self._waiters = io.waiters
 
     def abandon(self, op: Op, grace_s: float = ABANDON_GRACE_S) -> None:
         """EngineCore.abandon: after `grace_s` for workers to skip the cancelled
@@ -191,95 +120,183 @@ class PrefetchEngine(EngineCore):
         self.cancel(op)
         if self.wait(op, grace_s):
             return
-        self._supervisor.kill_holders(op, grace_s)
+        self._io.supervisor.kill_holders(op, grace_s)
         self.wait(op)
 
-    def _cancel_io(self, op: Op) -> None:
-        self._control.cancel(op.id)
 
-    def _sleep_for_completion(self, timeout_s: float, op=None) -> None:
-        self._waiters.sleep(timeout_s, op)
+class WorkerIO:
+    """The `mp` engine's I/O backend (hicache_mp.iobackend): the resources
+    engine_build makes, and the parts that use them. `owner`: the engine, for
+    the finaliser alone (segments go when it is collected)."""
 
-    def _wake_sleepers(self) -> None:
-        self._waiters.wake_all()
+    name = "mp"
 
-    def _shutdown_io(self) -> None:
-        self._control.words[STOP] = 1  # the evictor watches it too
-        if self._pool is not None:
-            self._pool.stop()
-            for handle in self._pool.workers:  # pages finished before the stop still count
-                if not handle.rings_closed:
-                    self._drain_ring(handle.completion_ring)
-            self._pool.close()
+    def __init__(self, ctx: IOContext, owner, *, pool_fd, pool_parts, aux_workers):
+        config = ctx.config
+        self.config, self.namespace, self.start_ns = config, ctx.namespace, ctx.start_ns
+        self.discovery, self.index, self.ledger = ctx.discovery, ctx.index, ctx.ledger
+        self.closed = ctx.closed
+        self.lazy_skips = 0  # lazy polls that drained nothing (decision 88)
+        res = self.built = engine_build.build(config, ctx.geometry, ctx.store.roots,
+                                              pool_fd=pool_fd, pool_parts=pool_parts,
+                                              aux_workers=aux_workers)
+        self.host_pool = res.host_pool
+        self.control = res.control
+        ctx.ledger.share_pins(self.control.pins)  # the evictor reads the same table
+        self.evictor = res.evictor
+        self.pool = res.pool
+        self.segments = res.segments
+        self.striping = Striping(self.pool, self.control)
+        # The parts hold the books (the ledger), the lock and what they serve,
+        # never the engine; a question about the engine's state is a callable.
+        self.draining = Draining(ctx.ledger, ctx.discovery, ctx.index, self.pool,
+                                 self.control, self.evictor)
+        self.supervisor = Supervisor(ctx.ledger, ctx.lock, config, self.pool, self.control,
+                                     self.evictor, self.drain_ring, ctx.rescan)
+        self.waiters = Waiters(ctx.lock, ctx.ledger, self.drain, ctx.closed, ctx.released,
+                               self.control, res.done_sem)
+        # The cgroup's throttle counters, read once a second from the drain
+        # (hicache_mp.cpubudget); nothing at all where no quota binds.
+        self.throttle = ThrottleWatch(res.cpu_budget, len(self.pool))
+        # Segments go even if the caller forgets close() or an exception unwinds.
+        self.finalizer = weakref.finalize(owner, engine_build.release, os.getpid(), self.pool,
+                                          list(self.segments))
 
-    def _nudge_io(self) -> None:
+    # --- the protocol: each call hands over to one part ------------------------------
+    def check_accepting(self) -> None:
+        self.pool.check()
+
+    def submit(self, op: Op) -> None:
+        rejected = self.striping.submit(op)
+        if rejected:
+            now = time.perf_counter_ns()
+            apply = self.ledger.apply
+            for pos in rejected:  # backpressure: say so per page, never queue unbounded
+                apply(op, pos, st.BUSY, 0, 0, now)
+
+    def probe(self, keys, whole: bool) -> set:
+        """Hand probes for `keys` (the first is missing from the index; the
+        others too with `whole`) to the workers; the digests still
+        unanswered among them (hicache_mp.discovery)."""
+        if self.pool.closed or self.pool.broken:
+            return set()
+        if not self.pool.usable():
+            return set()
+        ns, disc, now = self.namespace, self.discovery, time.monotonic()
+        asked = [naming.key_digest(keys[0], ns)]
+        if whole:
+            known = self.index.digests
+            for key in keys[1:PROBE_MAX]:
+                d = naming.key_digest(key, ns)
+                if d not in known:
+                    asked.append(d)
+        # Within PROBE_TTL_S of the last asking a key is not asked again; if
+        # that ask is still unanswered, the caller waits for it all the same.
+        ask = [d for d in asked if disc.due(d, now)]
+        if ask:
+            disc.mark(self.striping.probe(ask), now)
+        return disc.waiting.intersection(asked)
+
+    def drain(self, lazy: bool = False) -> int:
+        if self.pool.closed:
+            return 0
+        if lazy and not self.draining.due():
+            n = 0
+            self.lazy_skips += 1
+            self.draining.evicted()
+        else:
+            n = self.draining.rings(BATCH_APPLY_MIN)
+        self.supervisor.maybe_check()
+        self.throttle.maybe_check()
+        return n
+
+    def drain_ring(self, ring) -> int:
+        return self.draining.ring(ring, BATCH_APPLY_MIN)
+
+    def cancel(self, op: Op) -> None:
+        self.control.cancel(op.id)
+
+    def sleep(self, timeout_s: float, op=None) -> None:
+        self.waiters.sleep(timeout_s, op)
+
+    def wake_all(self) -> None:
+        self.waiters.wake_all()
+
+    def shutdown(self) -> None:
+        self.control.words[STOP] = 1  # the evictor watches it too
+        self.pool.stop()
+        for handle in self.pool.workers:  # pages finished before the stop still count
+            if not handle.rings_closed:
+                self.drain_ring(handle.completion_ring)
+        self.pool.close()
+
+    def nudge(self) -> None:
         """One post per worker: records a signal handler's close() caught
         half-handed-out (pushed, not yet posted) are taken by the flush."""
-        if self._pool is None or self._pool.closed:
+        if self.pool.closed:
             return
-        for handle in self._pool.workers:
+        for handle in self.pool.workers:
             if not handle.rings_closed:
                 handle.wake.post()
 
-    def _io_idle(self) -> bool:
-        if self._pool is None or self._pool.closed:
+    def idle(self) -> bool:
+        if self.pool.closed:
             return True
-        for handle in self._pool.workers:
+        for handle in self.pool.workers:
             if not handle.rings_closed and (handle.read_ring.depth() or handle.write_ring.depth() or
                                             handle.completion_ring.pending()):
                 return False
-        return not self._control.heartbeat[:len(self._pool.workers)].any()
+        return not self.control.heartbeat[:len(self.pool.workers)].any()
 
-    def _forget_resources(self) -> None:
-        if getattr(self, "_finalizer", None) is not None:
-            self._finalizer.detach()
+    def forget(self) -> None:
+        self.finalizer.detach()
 
-    def _release_shm(self) -> None:
-        # With the pool: normally closed already (_shutdown_io); not when a
+    def release(self) -> None:
+        # With the pool: normally closed already (shutdown); not when a
         # close() from a signal handler interrupted that one while it stopped
         # the workers (hicache_mp.closing), whose rings then go here.
-        if getattr(self, "_finalizer", None) is not None:
-            self._finalizer.detach()
-        engine_build.release(os.getpid(), getattr(self, "_pool", None), self._segments)
-        self._segments = []
+        self.finalizer.detach()
+        engine_build.release(os.getpid(), self.pool, self.segments)
+        self.segments = []
 
-    def _num_workers(self) -> int:
-        return len(self._pool) if self._pool else 0
+    def num_workers(self) -> int:
+        return len(self.pool)
 
-    def _worker_pids(self) -> list:
-        return [h.pid for h in self._pool.workers] if self._pool else []
+    def pids(self) -> list:
+        return [h.pid for h in self.pool.workers]
 
-    def _io_metrics(self, now_ns: int) -> dict:
-        wall = (now_ns - self._start_ns) / 1e9
-        pool, ev = self._pool, self._evictor
-        stats = self._control.workers[:len(pool)] if pool and not self._closed else []
+    def metrics(self, now_ns: int) -> dict:
+        wall = (now_ns - self.start_ns) / 1e9
+        pool, ev, closed, res = self.pool, self.evictor, self.closed(), self.built
+        stats = self.control.workers[:len(pool)] if not closed else []
         return {
+            "lazy_polls_skipped": self.lazy_skips,
             "worker_busy": [round(int(s[BUSY_NS]) / 1e9 / wall, 4) if wall else 0.0 for s in stats],
             "worker_pages": [int(s[PAGES]) for s in stats],
-            **self._waiters.metrics(),
+            **self.waiters.metrics(),
             "worker_bytes": [int(s[BYTES]) for s in stats],
             "ring_depth": [0 if h.rings_closed else h.read_ring.depth() + h.write_ring.depth()
-                           for h in pool.workers] if pool else [],
+                           for h in pool.workers],
             "write_ring_depth": [0 if h.rings_closed else h.write_ring.depth()
-                                 for h in pool.workers] if pool else [],
-            "respawns": pool.respawns if pool else 0,
-            "workers_starting": len(pool.starting) if pool else 0,
-            **self._supervisor.metrics(),
-            "broken": pool.broken if pool else None,
-            "direct_io": self.direct_io,
-            "direct_io_reason": self.direct_io_reason,
-            "io_depth": self.config.resolved_io_depth(self.direct_io),
-            **self._ledger.budget_metrics(),
+                                 for h in pool.workers],
+            "respawns": pool.respawns,
+            "workers_starting": len(pool.starting),
+            **self.supervisor.metrics(),
+            "broken": pool.broken,
+            "direct_io": res.direct_io,
+            "direct_io_reason": res.direct_io_reason,
+            "io_depth": self.config.resolved_io_depth(res.direct_io),
+            **self.ledger.budget_metrics(),
             "evictor_respawns": ev.respawns if ev else 0,
             "evicted_pages": ev.evicted_pages if ev else 0,
             "evicted_bytes": ev.evicted_bytes if ev else 0,
-            "store_bytes_estimate": self._control.store_estimate()
-            if ev and not self._closed else None,
-            "stale_segments_removed": len(self.stale_removed),
-            "probes_sent": self._discovery.sent,
-            "probes_found": self._discovery.found,
-            "shared_pool": self.shared_pool,
+            "store_bytes_estimate": self.control.store_estimate()
+            if ev and not closed else None,
+            "stale_segments_removed": len(res.stale_removed),
+            "probes_sent": self.discovery.sent,
+            "probes_found": self.discovery.found,
+            "shared_pool": res.shared_pool,
             # what the process may use and where that came from, and how often
             # its cgroup was throttled since start (decision 89)
-            "cpu": {**self.cpu_budget.as_dict(), "throttle": self._throttle.metrics()},
+            "cpu": {**res.cpu_budget.as_dict(), "throttle": self.throttle.metrics()},
         }

@@ -97,8 +97,8 @@ class IndexLookups:
             self._check_open()
             # Answers to earlier asks first: one left undrained past ANSWER_LOST_S
             # (nobody polled: an idle server) would be taken for this ask's.
-            self._drain()
-            waiting = self._probe(keys, whole)
+            self._io.drain()
+            waiting = self._io.probe(keys, whole)
         while waiting and time.monotonic() < deadline:
             self.poll()  # EngineClosed once closed
             left = deadline - time.monotonic()

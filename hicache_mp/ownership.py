@@ -4,7 +4,7 @@ Owns the set of this process's live engines, the at-fork hook that makes a
 forked child disown them all before it runs any code of its own, and the
 refusal (EngineForked) of every call a child makes on one. Must not touch
 the parent's workers, rings, segments or files from the child: disowning
-only forgets them (the engine's `_forget_resources` hook), and takes no lock
+only forgets them (its I/O backend's `forget`), and takes no lock
 (another parent thread may have held one at the fork).
 """
 import os
@@ -41,7 +41,7 @@ class Ownership:
         """In a forked child: the engine is the parent's. Runs in the at-fork hook,
         so it takes no lock (another parent thread may have held one at the fork)."""
         self._forked = True
-        self._forget_resources()
+        self._io.forget()
 
     def _refuse_in_child(self):
         raise EngineForked(

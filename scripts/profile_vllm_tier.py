@@ -100,10 +100,13 @@ def main(argv=None) -> int:
             return moved(tier, rig, bargs, keys, src, dst, busy, load, first_id)
         bench.move = move
 
+        def lazy_skips(eng) -> int:
+            return eng.metrics()["lazy_polls_skipped"] if eng is not None else 0
+
         def bucketed(self, fn, *a):
             name = getattr(fn, "__name__", "?")
             eng = getattr(getattr(fn, "__self__", None), "engine", None)
-            skips = getattr(eng, "_lazy_skips", 0)
+            skips = lazy_skips(eng)
             before = self.calls_s
             out = timed(self, fn, *a)
             dt = self.calls_s - before
@@ -111,7 +114,7 @@ def main(argv=None) -> int:
                 name, phase[1] = "first poll (op start)", False
             elif name == "get_finished_jobs":
                 name = ("poll reported" if out else "poll skipped"
-                        if getattr(eng, "_lazy_skips", 0) > skips else "poll drained")
+                        if lazy_skips(eng) > skips else "poll drained")
             kinds.setdefault(f"{phase[0]}: {name}", []).append(dt)
             return out
         bench.Clock.call = bucketed

@@ -8,32 +8,36 @@ and write it. The I/O runs on Python threads inside the scheduler process, so
 every step needs the GIL, which a busy scheduler loop rarely lets go. Same
 API, same file format and same host pool as `PrefetchEngine`.
 
-Owns only that thread's loop. Must not be used as the production path.
+Owns only that thread's loop, as an I/O backend (ThreadedFileIO, on
+hicache_mp.iobackend's protocol) under a plain EngineCore. Must not be used
+as the production path.
 """
 import os
 import time
 
 import torch
 
-from shm import HostPool, clean_stale, new_owner_tag
 from workers import pagefile, tmpfiles
 from workers import status as st
 
 from ..core import EngineCore
+from ..iobackend import IOContext
 from ..ops import READ, Op
 from .inprocess import InProcessThreads
 from .storedir import write_page_file
 
 
-class ThreadedFileEngine(InProcessThreads, EngineCore):
-    backend = "file"
+def ThreadedFileEngine(config, geometry) -> EngineCore:
+    """The `file` baseline: an EngineCore over ThreadedFileIO."""
+    return EngineCore(config, geometry, ThreadedFileIO)
 
-    def __init__(self, config, geometry):
-        super().__init__(config, geometry)
-        clean_stale()
-        self.tag = new_owner_tag()
-        self.host_pool = HostPool(geometry, config.host_pool_pages, name=self.tag + ".pool",
-                                  create=True, populate=config.populate)
+
+class ThreadedFileIO(InProcessThreads):
+    name = "file"
+
+    def __init__(self, ctx: IOContext):
+        super().__init__(ctx)
+        geometry = ctx.geometry
         self._dtype = getattr(torch, geometry.dtype)
         self._numel = geometry.page_bytes // geometry.itemsize
         self._fp = geometry.fingerprint()
@@ -88,23 +92,17 @@ class ThreadedFileEngine(InProcessThreads, EngineCore):
 
         return write_page_file(path, tmpfiles.tmp_name(path, self._serial), write)
 
-    # --- hooks ----------------------------------------------------------------
-    def _submit(self, op: Op) -> None:
+    # --- the protocol (hicache_mp.iobackend) ------------------------------------
+    def submit(self, op: Op) -> None:
         q = self._queues[op.kind]
         for pos in range(op.num_pages):
             if op.page_status[pos] == st.PENDING:  # not dropped over the backup budget
                 q.put((op, pos))
 
-    def _drain(self, lazy: bool = False) -> int:  # in-process: nothing to be lazy about
+    def drain(self, lazy: bool = False) -> int:  # in-process: nothing to be lazy about
         n = 0
         while self._done:
             op, pos, code, io_ns, err = self._done.popleft()
             self._ledger.apply(op, pos, code, io_ns, err, time.perf_counter_ns())
             n += 1
         return n
-
-    def _cancel_io(self, op: Op) -> None:
-        pass  # the threads check op.cancelled before each page
-
-    def _num_workers(self) -> int:
-        return 1

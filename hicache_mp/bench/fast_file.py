@@ -34,7 +34,9 @@ the pool's byte views directly (the PR lists every token index and builds a
 ctypes buffer per page), and the controller's thread-to-thread hand-offs of
 an op (hit query, I/O, progress sync) happen on one thread here.
 
-Owns only those threads. Must not be used as the production path.
+Owns only those threads, as an I/O backend (FastFileIO, on
+hicache_mp.iobackend's protocol) under a plain EngineCore. Must not be used
+as the production path.
 """
 import os
 import threading
@@ -44,11 +46,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from shm import HostPool, clean_stale, new_owner_tag
 from workers import pagefile, tmpfiles
 from workers import status as st
 
 from ..core import EngineCore
+from ..iobackend import IOContext
 from ..ops import READ, Op
 from .inprocess import InProcessThreads
 from .storedir import write_page_file
@@ -62,18 +64,22 @@ class _CorruptPage(OSError):
     pass
 
 
-class FastFileEngine(InProcessThreads, EngineCore):
-    backend = "fast_file"
+def FastFileEngine(config, geometry, *, read_workers: int = 1,
+                   write_workers: int = 1) -> EngineCore:
+    """The `fast_file` baseline: an EngineCore over FastFileIO."""
+    for name, n in (("read_workers", read_workers), ("write_workers", write_workers)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"fast_file {name} must be an integer >= 1, got {n!r}")
+    return EngineCore(config, geometry,
+                      lambda ctx: FastFileIO(ctx, read_workers, write_workers))
 
-    def __init__(self, config, geometry, *, read_workers: int = 1, write_workers: int = 1):
-        for name, n in (("read_workers", read_workers), ("write_workers", write_workers)):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"fast_file {name} must be an integer >= 1, got {n!r}")
-        super().__init__(config, geometry)
-        clean_stale()
-        self.tag = new_owner_tag()
-        self.host_pool = HostPool(geometry, config.host_pool_pages, name=self.tag + ".pool",
-                                  create=True, populate=config.populate)
+
+class FastFileIO(InProcessThreads):
+    name = "fast_file"
+
+    def __init__(self, ctx: IOContext, read_workers: int, write_workers: int):
+        super().__init__(ctx)
+        geometry = ctx.geometry
         self.read_workers, self.write_workers = read_workers, write_workers
         self._direct = geometry.layout in DIRECT_IO_LAYOUTS
         self._dtype = getattr(torch, geometry.dtype)
@@ -237,11 +243,11 @@ class FastFileEngine(InProcessThreads, EngineCore):
         flat = self.host_pool.page_view(slot).contiguous()
         return self._write_page(digest, [memoryview(flat.view(-1).view(torch.uint8).numpy())])
 
-    # --- hooks ------------------------------------------------------------------
-    def _submit(self, op: Op) -> None:
+    # --- the protocol (hicache_mp.iobackend) --------------------------------------
+    def submit(self, op: Op) -> None:
         self._queues[op.kind].put(op)
 
-    def _drain(self, lazy: bool = False) -> int:  # in-process: nothing to be lazy about
+    def drain(self, lazy: bool = False) -> int:  # in-process: nothing to be lazy about
         n = 0
         while self._done:
             op, batch, results, io_ns = self._done.popleft()
@@ -251,18 +257,15 @@ class FastFileEngine(InProcessThreads, EngineCore):
             n += len(batch)
         return n
 
-    def _cancel_io(self, op: Op) -> None:
-        pass  # the controller threads check op.cancelled before each batch
-
     def _stop_helpers(self) -> None:
         for ex in (self._read_executor, self._write_executor):
             if ex is not None:
                 ex.shutdown(wait=True)
 
-    def _num_workers(self) -> int:
+    def num_workers(self) -> int:
         return self.read_workers
 
-    def _io_metrics(self, now_ns: int) -> dict:
+    def metrics(self, now_ns: int) -> dict:
         return {"read_workers": self.read_workers, "write_workers": self.write_workers}
 
 
