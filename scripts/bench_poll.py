@@ -5,7 +5,7 @@ A scheduler that polls once per step (SGLang does, every few to tens of ms)
 drains a step's worth of completions in one poll(). This lets every page of
 the ops land first (the workers' page counters say when), then times the one
 poll() that drains them, for several drain sizes, twice in the same run: with
-the engine's own choice (bulk accounting, EngineCore._apply_many, for the
+the engine's own choice (bulk accounting, OpLedger.apply_many, for the
 pages of one op from hicache_mp.engine.BATCH_APPLY_MIN up, else page by page),
 with bulk forced, and with page by page forced. Prints µs per completion and
 the ratio of page by page to the engine's choice.

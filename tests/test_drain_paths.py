@@ -1,5 +1,5 @@
 """poll() has two ways to account for drained completions: page by page
-(`EngineCore._apply`, small drains) and in bulk (`_apply_many`, drains of at
+(`OpLedger.apply`, small drains) and in bulk (`apply_many`, drains of at
 least `BATCH_APPLY_MIN`). Whatever the path, a user must see the same thing:
 bytes, per-page statuses, leading pages, metrics, the index healed after a
 miss or a damaged file, written pages findable, and landed order kept.
