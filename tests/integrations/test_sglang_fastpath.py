@@ -296,7 +296,8 @@ def test_install_applies_and_refuses():
         ["added sglang.srt.managers.cache_controller.HiCacheController._publish_prefetch_ack"] +
         [f"replaced sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller."
          f"HybridCacheController.{m}" for m in
-         ("_page_transfer_sidecar", "_reduce_prefetch_ack", "prefetch_sync_thread_func")] +
+         ("_page_transfer_sidecar", "_sync_prefetch_hit_query", "_reduce_prefetch_ack",
+          "prefetch_sync_thread_func")] +
         ["added sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller."
          "HybridCacheController._publish_prefetch_ack"])
     assert fastpath.install() == []   # idempotent
@@ -351,10 +352,10 @@ def test_handoffs_per_batch(tmp_path):
     finally:
         tr.uninstall()
     assert stock["wrong_pages"] == fast["wrong_pages"] == 0 and fast["batches"] == 2
-    own = {lb: [r for r in tr.table(lb) if r["backend_call"] == "-"] for lb in ("stock", "fast")}
-    waits = {lb: sum(r["per_prefetch"] for r in rows if r["kind"] == "wait")
-             for lb, rows in own.items()}
-    assert waits["fast"] <= fast["batches"]            # one per batch, at most
+    own = {lb: [r for r in tr.table(lb) if r["backend_call"] == "-" and r["thread"] in SGL_THREADS]
+           for lb in ("stock", "fast")}
+    waits = {lb: tr.sglang_waits(lb) for lb in ("stock", "fast")}
+    assert waits["fast"] <= fast["batches"], own["fast"]   # one per batch, at most
     assert {r["thread"] for r in own["fast"]} == {"prefetch_thread_func", "prefetch_io_aux_func"}
     assert not any(r["kind"] == "Tensor.item" for r in own["fast"])
     assert any(r["thread"] == "prefetch_sync_thread_func" for r in own["stock"])

@@ -30,9 +30,18 @@ import sys
 import threading
 import time
 
+import torch
+
 from hicache_mp.bench.giltrace import BACKEND_CALLS, released_in
+from hicache_mp.bench.sglang import hybrid_rank, real_hybrid
+from hicache_mp.bench.sglang import real as R
+from hicache_mp.bench.sglang import stack as S
 
 _PLUMBING = ("threading.py", "queue.py")
+# SGLang's storage threads, by target; the backend's own threads (an engine's
+# supervisor, say) wait too, but not on SGLang's path
+SGLANG_THREADS = ("prefetch_thread_func", "prefetch_io_aux_func", "prefetch_sync_thread_func",
+                  "backup_thread_func", "pp_prefetch_command_thread_func")
 _CONTROLLERS = ("cache_controller.py", "hybrid_cache_controller.py")
 
 
@@ -129,9 +138,16 @@ class HandoffTracer:
                 if lb == label]
 
 
+    def sglang_waits(self, label: str) -> float:
+        """SGLang's own waits per prefetch under `label`: on its storage
+        threads, outside the backend's calls."""
+        return sum(r["per_prefetch"] for r in self.table(label)
+                   if r["thread"] in SGLANG_THREADS and r["backend_call"] == "-"
+                   and r["kind"] in ("wait", "sleep"))
+
+
 def item_releases_gil() -> bool:
     """Whether Tensor.item on a CPU tensor lets the GIL go in this torch build."""
-    import torch
     t = torch.tensor(1, dtype=torch.int)
     return any(bool(released_in(t.item, switch_s=0.2)[1]) for _ in range(3))
 
@@ -141,8 +157,6 @@ def dense_prefetch(tracer: HandoffTracer, label: str, backend: str, store: str, 
                    pages: int = 256, rounds: int = 3) -> dict:
     """`rounds` prefetches of one request of `pages` pages (2 of SGLang's
     128-page batches by default), after a backup and a warm-up round."""
-    from hicache_mp.bench.sglang import real as R
-    from hicache_mp.bench.sglang import stack as S
     sgl = R.import_stack()
     args = S.parse(["--round-mib", str(pages / 128), "--page-mib", "0.0078125", "--layers", "2",
                     "--heads", "4", "--head-dim", "64", "--requests", "1", "--workers", "1",
@@ -163,8 +177,6 @@ def hybrid_prefetch(tracer: HandoffTracer, label: str, geom: str, store: str, *,
                     rounds: int = 3) -> dict:
     """`rounds` prefetches of one request of 4 KV pages and its sidecar (one
     KV batch and one batch_get_v2) through SGLang's HybridCacheController on mp."""
-    from hicache_mp.bench.sglang import hybrid_rank, real_hybrid
-    from hicache_mp.bench.sglang import stack as S
     r = hybrid_rank.Rank(real_hybrid.load(), real_hybrid.geometry(geom, tiny=True), "mp", store,
                          requests=1, max_pages=4, workers=1)
     try:

@@ -19,8 +19,10 @@ an engine, or change any other SGLang class.
 from __future__ import annotations
 
 import ast
+import difflib
 import importlib
 import inspect
+import os
 import textwrap
 import types
 
@@ -150,8 +152,6 @@ def patch_text(site_packages: str) -> str:
     """The unified diff (paths a/sglang/..., b/sglang/...; apply with -p1 in
     site-packages) that makes SGLang's sources under `site_packages` read as
     install() makes its classes behave."""
-    import difflib
-    import os
     out = []
     for mod_name, cls_name, holder, anchor in fastpath_methods.TARGETS:
         rel = mod_name.replace(".", "/") + ".py"

@@ -208,6 +208,57 @@ class HybridCacheControllerMethods:
         )
         return
 
+    def _sync_prefetch_hit_query(self, operation, storage_hit_count: int) -> int:
+        """One MIN collective for the folded hit count and every pool's own
+        boundary, so per-pool beliefs stay rank-identical. A pool omitted
+        by any rank heals from the folded cut without learning presence."""
+        if any(
+            transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES
+            for transfer in operation.pool_transfers or []
+        ):
+            # A trailing state can exist at 512 and 1024 but not at 768. Taking
+            # MIN of each rank's longest hit would choose a missing checkpoint,
+            # so reduce one restorable flag per prefix length instead. Use the
+            # request span (identical on every rank) for the collective shape,
+            # including when one rank skipped its query due to cancellation.
+            hits = [0] * (len(operation.token_ids) // self.page_size + 1)
+            hits[0] = 1
+            if storage_hit_count > 0:
+                pages = operation.pool_storage_result.restorable_prefix_pages
+                if pages is None:
+                    # Backends without sparse-boundary results keep their
+                    # contiguous-prefix contract. File and Mooncake return a set.
+                    pages = range(1, storage_hit_count // self.page_size + 1)
+                # Callers may cap the hit to allocated host space after the
+                # query; a checkpoint past that cap has nowhere to load.
+                for page in pages:
+                    if 0 < page <= storage_hit_count // self.page_size:
+                        hits[page] = 1
+        else:
+            hits = [storage_hit_count]
+        pools = list(PoolName)
+        local = operation.query_pool_hit_pages
+        reduced = hits + [local.get(pool, _NO_POOL_VERDICT) for pool in pools]
+        if self.prefetch_hits_sync_groups:
+            # No tensor where no other rank must agree: making one cost this
+            # thread a GIL hand-off under a busy scheduler.
+            packed = torch.tensor(reduced, dtype=torch.int)
+            self._all_reduce(
+                packed,
+                torch.distributed.ReduceOp.MIN,
+                self.prefetch_hits_sync_groups,
+            )
+            reduced = packed.tolist()
+        operation.query_pool_hit_pages = {
+            pool: pages
+            for pool, pages in zip(pools, reduced[len(hits) :], strict=True)
+            if pages != _NO_POOL_VERDICT
+        }
+        if len(hits) == 1:
+            return int(reduced[0])
+        restorable = reduced[: len(hits)]
+        return max(i for i, ok in enumerate(restorable) if ok) * self.page_size
+
     def _reduce_prefetch_ack(self, ack: PrefetchAck) -> None:
         # Handle KV-derived pool.
         super()._reduce_prefetch_ack(ack)
