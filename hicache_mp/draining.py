@@ -22,13 +22,18 @@ from shm.ring import RECORD_DTYPE
 from workers import status as st
 from workers.records import KIND_PROBE
 
+from .discovery import Discovery
+from .index import StoreIndex
+from .ledger import OpLedger
+
 
 class Draining:
     """Drains `pool`'s completion rings and `evictor`'s evict ring (None: no
     storage limits) into `ledger`, `discovery` and `index`; `control` is the
     workers' control block (their page counts)."""
 
-    def __init__(self, ledger, discovery, index, pool, control, evictor):
+    def __init__(self, ledger: OpLedger, discovery: Discovery, index: StoreIndex, pool, control,
+                 evictor):
         self.ledger = ledger
         self.discovery = discovery
         self.index = index

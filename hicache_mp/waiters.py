@@ -88,9 +88,12 @@ leader's one sleep is the only place the GIL is given up (decision 74).
 """
 import threading
 import time
+from typing import Callable
 
 from workers.control import POSTED_NS, WAITERS, WAKE_AT, WAKE_SEQ
 from workers.timing import AHEAD_MIN_S, AHEAD_SHARE, NO_TARGET_CAP_S, SPIN_CAP_S, TARGET_CAP_S
+
+from .ledger import OpLedger
 
 
 class Waiters:
@@ -101,7 +104,8 @@ class Waiters:
     (note 8); `control` and `done_sem` are that control block and completion
     semaphore."""
 
-    def __init__(self, lock, ledger, drain, closed, released, control, done_sem):
+    def __init__(self, lock, ledger: OpLedger, drain: Callable[[], int],
+                 closed: Callable[[], bool], released: Callable[[], bool], control, done_sem):
         self.lock = lock
         self.ledger = ledger
         self.drain = drain
