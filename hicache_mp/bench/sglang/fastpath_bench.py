@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 
+from hicache_mp.bench.giltrace import GilTracer
 from hicache_mp.bench.sglang import handoffs
 from hicache_mp.bench.sglang import hybrid_rank as HR
 from hicache_mp.bench.sglang import real as R
@@ -161,8 +162,14 @@ def hybrid(args, root) -> dict:
     return out
 
 
-# --- the hand-offs of one traced prefetch per variant ------------------------------------
-def trace(root) -> dict:
+# --- the hand-offs of traced prefetches per variant ---------------------------------------
+def trace(sgl, args, root) -> dict:
+    """Idle: SGLang's waits per batch of one dense (2 batches) and one hybrid
+    prefetch, named (handoffs.HandoffTracer). Busy: the GIL tracer over
+    --trace-runs busy rounds of each variant's own dense `mp` stack (this
+    run's geometry) and hybrid Mamba rank: SGLang's returns to the GIL per
+    batch on its storage threads outside the backend's calls (C calls over
+    1 ms and gaps over 2 ms), beside the backend's."""
     tr = handoffs.HandoffTracer().install()
     out = {}
     try:
@@ -177,6 +184,63 @@ def trace(root) -> dict:
         tr.uninstall()
         fastpath.uninstall()
     out["tensor_item_releases_gil"] = handoffs.item_releases_gil()
+    if args.trace_runs:
+        out["busy"] = busy_trace(sgl, args, root)
+    return out
+
+
+def busy_trace(sgl, args, root) -> dict:
+    gil = GilTracer().install()   # before the stacks: their threads are the ones watched
+    gil.disarm()
+    stacks, out = {}, {}
+    try:
+        for v in VARIANTS:
+            variant(v)
+            store = os.path.join(root, f"b-{v}")
+            os.makedirs(store, exist_ok=True)
+            s = S.Stack(sgl, "mp", args, store)
+            S.backup(s.ctl, s.src, s.tokens, s.hashes, S.Scheduler(False), args.timeout_s)
+            s.read(S.Scheduler(False))
+            r = HR.Rank(RH.load(), RH.geometry("mamba", tiny=args.tiny), "mp", store + "-h",
+                        requests=args.requests, max_pages=args.hybrid_pages[0],
+                        workers=args.workers)
+            r.backup(args.hybrid_pages[0], S.Scheduler(False), args.timeout_s)
+            r.finish(args.hybrid_pages[0], r.prefetch(args.hybrid_pages[0], S.Scheduler(False),
+                                                      args.timeout_s)[1], "warm")
+            stacks[v] = (s, r)
+        gil.arm()
+        for _ in range(args.trace_runs):
+            for v in VARIANTS:
+                variant(v)
+                s, r = stacks[v]
+                with gil.round(f"dense:{v}"):
+                    s.read(S.Scheduler(True))
+                with gil.round(f"hybrid:{v}"):
+                    _, res = r.prefetch(args.hybrid_pages[0], S.Scheduler(True), args.timeout_s)
+                r.finish(args.hybrid_pages[0], res, "traced")
+        gil.disarm()
+        dense_batches = -(-s.pages // max(1, args.requests) // 128) * max(1, args.requests)
+        hybrid_batches = -(-args.hybrid_pages[0] // 128) * args.requests
+        for v in VARIANTS:
+            for part, batches in (("dense", dense_batches), ("hybrid", hybrid_batches)):
+                label = f"{part}:{v}"
+                recs = [x for x in gil.records if x[0] == label]
+                own = [x for x in recs if x[1] == "-" and handoffs.role_name(x[7])
+                       in handoffs.SGLANG_THREADS]
+                backend = [x for x in recs if x[1] != "-"]
+                n = args.trace_runs * batches
+                sites = {}
+                for x in own:
+                    sites[f"{x[3]} {x[4]} {x[5]}"] = sites.get(f"{x[3]} {x[4]} {x[5]}", 0) + 1 / n
+                out[label] = {"sglang_returns_per_batch": len(own) / n,
+                              "backend_returns_per_batch": len(backend) / n,
+                              "sglang_sites_per_batch": sites}
+    finally:
+        gil.uninstall()
+        for s, r in stacks.values():
+            s.close()
+            r.close()
+        fastpath.uninstall()
     return out
 
 
@@ -199,6 +263,9 @@ def parse(argv=None):
                     help="busy rounds under this sys.setswitchinterval (0: Python's 5 ms); "
                          "e.g. 50 on a small shared box, where a 5 ms return is lost in noise")
     ap.add_argument("--no-trace", dest="trace", action="store_false")
+    ap.add_argument("--trace-runs", type=int, default=3,
+                    help="busy rounds per variant under the GIL tracer (0: none), after the "
+                         "timed ones, on stacks of their own")
     ap.add_argument("--timeout-s", type=float, default=120)
     ap.add_argument("--store", default=None)
     ap.add_argument("--json", default=None)
@@ -235,7 +302,7 @@ def main(argv=None) -> dict:
         res["dense"] = dense(sgl, args, root) if args.backends else {}
         res["hybrid"] = hybrid(args, root) if args.geometries else {}
         if args.trace:
-            res["trace"] = trace(root)
+            res["trace"] = trace(sgl, args, root)
     print("| stack | variant | idle ms | busy ms | busy ÷ idle | wrong pages |")
     print("|---|---|---|---|---|---|")
     for part in ("dense", "hybrid"):
@@ -244,9 +311,12 @@ def main(argv=None) -> dict:
             print(f"| {part} {name} | {v} | {r['idle_ms']:.1f} | {r['busy_ms']:.1f} | "
                   f"{r['busy_over_idle']:.2f} | {r['wrong_pages']} |")
     for label, t in res.get("trace", {}).items():
-        if isinstance(t, dict):
-            print(f"{label}: SGLang's own waits per batch on its storage threads: "
+        if isinstance(t, dict) and "sglang_waits_per_batch" in t:
+            print(f"{label} idle: SGLang's own waits per batch on its storage threads: "
                   f"{t['sglang_waits_per_batch']:.2f}")
+    for label, t in res.get("trace", {}).get("busy", {}).items():
+        print(f"{label} busy (GIL tracer): SGLang's returns to the GIL per batch "
+              f"{t['sglang_returns_per_batch']:.2f}, the backend's {t['backend_returns_per_batch']:.2f}")
     if "trace" in res:
         print(f"Tensor.item lets the GIL go in this torch: {res['trace']['tensor_item_releases_gil']}")
     res["wrong_pages"] = sum(r["wrong_pages"] for p in ("dense", "hybrid") for r in res[p].values())

@@ -45,10 +45,13 @@ SGLANG_THREADS = ("prefetch_thread_func", "prefetch_io_aux_func", "prefetch_sync
 _CONTROLLERS = ("cache_controller.py", "hybrid_cache_controller.py")
 
 
-def thread_role(thread: threading.Thread) -> str:
+def role_name(name: str) -> str:
     """SGLang's threads are unnamed: Python names them 'Thread-N (target)'."""
-    name = thread.name
     return name[name.index("(") + 1:-1] if name.endswith(")") and "(" in name else name
+
+
+def thread_role(thread: threading.Thread) -> str:
+    return role_name(thread.name)
 
 
 def _where(frame) -> tuple[str, str]:
