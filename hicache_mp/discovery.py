@@ -1,8 +1,10 @@
 """Discovery: which keys to ask the store about, so pages other engines wrote are found.
 
-Owns the bookkeeping of miss probes: when `exists()` meets a key the index
-does not know, the engine hands a KIND_PROBE record for it (and for the keys
-after it, up to PROBE_MAX) to a worker, which answers with one stat of the
+Owns the bookkeeping of miss probes and the choice of what to ask (`ask`:
+the head of a run the index misses, or the whole run, less what was asked
+within PROBE_TTL_S): when `exists()` meets a key the index does not know,
+the engine hands a KIND_PROBE record for it (and for the keys after it, up
+to PROBE_MAX) to a worker, which answers with one stat of the
 page file: OK if a whole page file is there, MISS if not. The answer comes
 back on the completion ring and `poll()` adds the digest to the index. A key
 asked about is not asked again for PROBE_TTL_S (a negative cache), so a
@@ -15,6 +17,9 @@ the scheduler's process, and still late. Why not a stat in exists(): it is a
 metadata round trip on the scheduler's thread, per missing key, and on a
 network filesystem that is milliseconds each (decision 29).
 """
+import time
+
+from workers import naming
 from workers.timing import ANSWER_LOST_S, PROBE_TTL_S
 
 # Keys probed per exists() call: a whole prefix another engine wrote must be
@@ -37,6 +42,31 @@ class Discovery:
         self.pending: dict[bytes, int] = {}
         self.sent = 0
         self.found = 0
+
+    def ask(self, keys, whole: bool, namespace: str, known, send) -> set:
+        """Which of `keys` to ask the store about, asked through `send` (the
+        digests to probe -> those handed out; a full ring keeps the rest for
+        the next call); the digests among them still unanswered. `keys[0]` is
+        missing from the index (`known`: its digests); with `whole` the keys
+        after it that it misses too, up to PROBE_MAX. Within PROBE_TTL_S of
+        the last asking a key is not asked again; if that ask is still
+        unanswered, the caller waits for it all the same."""
+        now = time.monotonic()
+        asked = [naming.key_digest(keys[0], namespace)]
+        if whole:
+            for key in keys[1:PROBE_MAX]:
+                d = naming.key_digest(key, namespace)
+                if d not in known:
+                    asked.append(d)
+        ask = [d for d in asked if self.due(d, now)]
+        if ask:
+            self.mark(send(ask), now)
+        return self.waiting.intersection(asked)
+
+    def awaiting(self, keys, namespace: str) -> bool:
+        """Whether a probe of one of `keys` is out and not yet answered."""
+        waiting = self.waiting
+        return any(naming.key_digest(k, namespace) in waiting for k in keys)
 
     def due(self, digest: bytes, now: float) -> bool:
         """May `digest` be asked now? Not within PROBE_TTL_S of the last asking

@@ -48,7 +48,6 @@ import time
 import weakref
 
 from shm import PageGeometry
-from workers import naming
 from workers import status as st
 from workers.control import BUSY_NS, BYTES, PAGES, STOP
 from workers.timing import ABANDON_GRACE_S, HEALTH_CHECK_S, TARGET_CAP_S  # noqa: F401 (API)
@@ -57,7 +56,6 @@ from . import engine_build
 from .cpubudget import ThrottleWatch
 from .config import EngineConfig
 from .core import EngineCore, check_timeout
-from .discovery import PROBE_MAX
 from .draining import Draining
 from .engine_build import shm_bytes  # noqa: F401 (API: hicache_mp.engine.shm_bytes)
 from .iobackend import IOContext
@@ -182,20 +180,8 @@ class WorkerIO:
             return set()
         if not self.pool.usable():
             return set()
-        ns, disc, now = self.namespace, self.discovery, time.monotonic()
-        asked = [naming.key_digest(keys[0], ns)]
-        if whole:
-            known = self.index.digests
-            for key in keys[1:PROBE_MAX]:
-                d = naming.key_digest(key, ns)
-                if d not in known:
-                    asked.append(d)
-        # Within PROBE_TTL_S of the last asking a key is not asked again; if
-        # that ask is still unanswered, the caller waits for it all the same.
-        ask = [d for d in asked if disc.due(d, now)]
-        if ask:
-            disc.mark(self.striping.probe(ask), now)
-        return disc.waiting.intersection(asked)
+        return self.discovery.ask(keys, whole, self.namespace, self.index.digests,
+                                  self.striping.probe)
 
     def drain(self, lazy: bool = False) -> int:
         if self.pool.closed:

@@ -87,8 +87,7 @@ class IndexLookups:
         syscall, no lock: one set lookup per key, as `present()`."""
         if self._forked:
             self._refuse_in_child()
-        ns, waiting = self.namespace, self._discovery.waiting
-        return any(naming.key_digest(k, ns) in waiting for k in keys)
+        return self._discovery.awaiting(keys, self.namespace)
 
     def _ask(self, keys, deadline: float, whole: bool) -> None:
         """Probe `keys` (the first is unknown; with `whole`, the rest too) and
