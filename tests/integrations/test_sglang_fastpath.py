@@ -288,6 +288,15 @@ def test_install_applies_and_refuses():
     with pytest.raises(fastpath.FastPathVersionError, match="0.5.23 only; this is SGLang 0.5.24"):
         fastpath.install(version="0.5.24")
     assert HiCacheController._reduce_prefetch_ack is stock and not fastpath.installed()
+    # an 0.5.23 whose methods are not the ones it was built from: refused, nothing changed
+    HybridCacheController._page_transfer_sidecar, own = (
+        lambda self, op, pages: None), HybridCacheController._page_transfer_sidecar
+    try:
+        with pytest.raises(fastpath.FastPathVersionError, match="_page_transfer_sidecar is not"):
+            fastpath.install()
+    finally:
+        HybridCacheController._page_transfer_sidecar = own
+    assert HiCacheController._reduce_prefetch_ack is stock and not fastpath.installed()
     changed = fastpath.install()
     assert sorted(changed) == sorted(
         [f"replaced sglang.srt.managers.cache_controller.HiCacheController.{m}" for m in

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import hashlib
 import importlib
 import inspect
 import os
@@ -29,6 +30,22 @@ import types
 from . import fastpath_methods
 
 SGLANG_VERSION = "0.5.23"
+
+# SGLang 0.5.23's own source of every method the fast path replaces (sha256,
+# first 16 hex digits): an 0.5.23 whose methods differ (a vendor build, a
+# local patch, the upstream patch already applied) is refused too, because
+# install() would silently replace whatever they changed.
+STOCK_SOURCES = {
+    "HiCacheController._page_transfer": "bef387703701bb7f",
+    "HiCacheController.prefetch_io_aux_func": "a731bbb0fdaff18c",
+    "HiCacheController.prefetch_sync_thread_func": "41e792c07ea6b8bb",
+    "HiCacheController._sync_prefetch_hit_query": "02158a47034873a4",
+    "HiCacheController._reduce_prefetch_ack": "89a404828dd9dd9d",
+    "HybridCacheController._page_transfer_sidecar": "70f648dfe5480416",
+    "HybridCacheController._sync_prefetch_hit_query": "c6f4b7588d92233b",
+    "HybridCacheController._reduce_prefetch_ack": "bad6383983cb7a3e",
+    "HybridCacheController.prefetch_sync_thread_func": "b1bd6c3a6f8a9478",
+}
 
 # What install() changed, for uninstall(): (class, name, SGLang's own or None).
 _INSTALLED: list[tuple[type, str, object]] = []
@@ -69,8 +86,11 @@ def _bound_to(fn: types.FunctionType, module: types.ModuleType, cls: type):
     new.__qualname__ = f"{cls.__qualname__}.{fn.__name__}"
     new.__module__ = module.__name__
     new.__annotations__ = dict(fn.__annotations__)
-    new.__hicache_fastpath__ = True
     return new
+
+
+def _source_digest(fn) -> str:
+    return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
 
 
 def installed() -> bool:
@@ -94,7 +114,16 @@ def install(*, version: str | None = None) -> list[str]:
         module = importlib.import_module(mod_name)
         cls = getattr(module, cls_name)
         for name, fn in _methods(holder).items():
-            plan.append((module, cls, name, fn, vars(cls).get(name)))
+            old = vars(cls).get(name)
+            want = STOCK_SOURCES.get(f"{cls_name}.{name}")
+            if (want is None) != (old is None) or (old is not None and
+                                                  _source_digest(old) != want):
+                raise FastPathVersionError(
+                    f"this SGLang {SGLANG_VERSION}'s {cls_name}.{name} is not the one the fast "
+                    f"path was built from (a different build, a local patch, or the upstream "
+                    f"patch already applied, which makes install() unnecessary); "
+                    f"nothing was changed")
+            plan.append((module, cls, name, fn, old))
     for module, cls, name, fn, old in plan:
         setattr(cls, name, _bound_to(fn, module, cls))
         _INSTALLED.append((cls, name, old))
