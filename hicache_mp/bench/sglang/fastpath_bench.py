@@ -251,6 +251,9 @@ def parse(argv=None):
                          "sleeps as long as mp's batch)")
     ap.add_argument("--round-mib", type=float, default=2048)
     ap.add_argument("--page-mib", type=float, default=8.0)
+    ap.add_argument("--file-round-mib", type=float, default=None,
+                    help="bytes per round for SGLang's file backend (default: --round-mib; "
+                         "it reads at a fraction of a GB/s under a busy scheduler)")
     ap.add_argument("--geometries", default="mamba,swa,dsa", help="hybrid; '' to skip")
     ap.add_argument("--hybrid-pages", default="64,256", help="KV pages per hybrid request")
     ap.add_argument("--requests", type=int, default=2)
@@ -271,6 +274,7 @@ def parse(argv=None):
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     dense_argv = ["--round-mib", str(args.round_mib), "--page-mib", str(args.page_mib),
+                  "--file-round-mib", str(args.file_round_mib or args.round_mib),
                   "--requests", str(args.requests), "--workers", str(args.workers),
                   "--timeout-s", str(args.timeout_s)]
     if args.tiny:
