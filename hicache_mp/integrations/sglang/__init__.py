@@ -17,10 +17,15 @@
     names            SGLang's shard naming as engine namespaces
     layouts          SGLang's KV page layouts as views
     store_import     `hicache-mp import-sglang`: an SGLang `file` store converted
+    fastpath         install() of SGLang's storage fast path (0.5.23 only); the patch text
+    fastpath_methods the fast path's methods, as SGLang's source (no hicache_mp in them)
+    serve            `hicache-mp sglang-serve`: SGLang's server with the fast path
+    upstream/        the fast path as a patch against SGLang 0.5.23, and its README
 
 Only `backend` imports SGLang, and this package loads it when `HiCacheMP` is
 first asked for: `settings`, `names`, `layouts` and `store_import` (the CLI,
-the flags reference) work without SGLang. Must not import SGLang itself.
+the flags reference) work without SGLang; `fastpath` and `serve` import it
+only when called. Must not import SGLang itself.
 """
 from .settings import AdapterConfig
 
