@@ -1,17 +1,21 @@
 """The SGLang storage fast path (hicache_mp.integrations.sglang.fastpath) against
 SGLang 0.5.23's stock controller, through SGLang's real classes on CPU.
 
-Differential: the same workload through a stock controller and through one
-built after `install()` gives the same acks, the same pages in the same host
-slots and the same backup files: dense (`HiCacheController`) on `mp` and on
-SGLang's own `file` backend, hybrid (`HybridCacheController`, v2) on `mp` over
-Mamba, SWA and DSA, under each prefetch policy as the scheduler plays it
-against the controller (wait_complete: never terminated; best_effort:
-terminated when the request is scheduled, here before its transfer starts;
-timeout: terminated at its deadline, here while the second batch is in
-flight). Then SGLang's failure injector over the fast path, install() applied
-and refused, and the upstream patch: it is what install() does, and it
-applies to a copy of SGLang's installed sources."""
+- Differential: the same workload through a stock controller and through one
+  built after `install()` gives the same acks, the same pages in the same host
+  slots and the same backup files. Dense (`HiCacheController`) on `mp` and
+  SGLang's `file`, under each prefetch policy as the scheduler plays it
+  against the controller (wait_complete: never terminated; best_effort:
+  terminated when scheduled, here before its transfer starts; timeout:
+  terminated at its deadline, here while the second batch is in flight).
+  Hybrid (`HybridCacheController`, v2) over Mamba, SWA and DSA on `mp` and
+  `file`, never terminated and terminated while its KV batch is in flight.
+- SGLang's failure injector over the fast path: no wrong page, no hang.
+- The hand-offs: at most one SGLang-side wait per batch on its storage threads.
+- install() applied, idempotent, undone, and refused (another version, or an
+  0.5.23 whose methods differ); the upstream patch is what install() does and
+  applies to a copy of SGLang's installed sources; the `sglang-serve` launcher.
+"""
 import hashlib
 import os
 import shutil
@@ -143,7 +147,7 @@ def test_dense_same_as_stock(tmp_path, backend):
         assert len(a_pages) == len(b_pages)
         assert all(torch.equal(x, y) and torch.equal(x, src[i])
                    for i, (x, y) in enumerate(zip(a_pages, b_pages))), p
-    full = len(src) * len(stock[0]["wait_complete"][1]) // len(src)   # tokens of every page
+    full = len(stock[0]["wait_complete"][1])   # every token (a host slot each) landed
     assert stock[0]["wait_complete"][0] == [(512, False), (full, False), (None, True)]
     assert stock[0]["best_effort"][0] == [(0, False), (0, False), (None, True)]
     # terminated during batch 2: SGLang's generic get (file) stops at that batch's first
