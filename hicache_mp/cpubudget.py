@@ -124,7 +124,8 @@ def read_budget(root: str = "/", *, affinity: int | None = None,
 
 
 # --- cgroups ------------------------------------------------------------------------
-def _read(path: str) -> str | None:
+def read_text(path: str) -> str | None:
+    """A small kernel file's text, or None where it cannot be read."""
     try:
         with open(path) as f:
             return f.read()
@@ -134,7 +135,7 @@ def _read(path: str) -> str | None:
 
 def _mounts(root: str) -> list[tuple[str, str, str, str]]:
     """(mount point, mount root, fstype, super options) of every cgroup mount."""
-    text = _read(os.path.join(root, "proc/self/mountinfo")) or ""
+    text = read_text(os.path.join(root, "proc/self/mountinfo")) or ""
     out = []
     for line in text.splitlines():
         pre, sep, post = line.partition(" - ")
@@ -155,7 +156,7 @@ def _unescape(field: str) -> str:
 def _cgroup_paths(root: str) -> dict:
     """{controller or '' (v2): path} from /proc/self/cgroup."""
     out = {}
-    for line in (_read(os.path.join(root, "proc/self/cgroup")) or "").splitlines():
+    for line in (read_text(os.path.join(root, "proc/self/cgroup")) or "").splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
@@ -194,7 +195,7 @@ def _cgroup_dirs(root: str):
 def _limit(version: int, directory: str) -> tuple[float, str] | None:
     """(CPUs, as written) of one cgroup's own limit, or None (no limit, no file)."""
     if version == 2:
-        text = _read(os.path.join(directory, "cpu.max"))
+        text = read_text(os.path.join(directory, "cpu.max"))
         if not text:
             return None
         words = text.split()
@@ -205,8 +206,8 @@ def _limit(version: int, directory: str) -> tuple[float, str] | None:
         except ValueError:
             return None
         return (quota / period, f"{quota} {period}") if quota > 0 and period > 0 else None
-    q = _read(os.path.join(directory, "cpu.cfs_quota_us"))
-    p = _read(os.path.join(directory, "cpu.cfs_period_us"))
+    q = read_text(os.path.join(directory, "cpu.cfs_quota_us"))
+    p = read_text(os.path.join(directory, "cpu.cfs_period_us"))
     try:
         quota, period = int(q), int(p)
     except (TypeError, ValueError):
@@ -232,7 +233,7 @@ def read_quota(root: str = "/") -> Quota | None:
 
 def read_throttle(directory: str) -> dict | None:
     """{periods, throttled, throttled_ms} from a cgroup's cpu.stat (v1 or v2), or None."""
-    text = _read(os.path.join(directory, "cpu.stat"))
+    text = read_text(os.path.join(directory, "cpu.stat"))
     if text is None:
         return None
     kv = {}

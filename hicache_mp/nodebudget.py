@@ -40,6 +40,8 @@ import secrets
 import stat
 import time
 
+from shm.owner import same_file
+
 from .cpubudget import NODE_CORES_ENV, CpuBudget, read_budget  # noqa: F401 (NODE_CORES_ENV: API)
 
 NODE_DIR = "/dev/shm/hicache_mp-node"
@@ -181,7 +183,7 @@ class NodeBudget:
                 continue
             try:
                 fcntl.flock(dfd, fcntl.LOCK_EX)
-                if not _same_dir(dfd, where):  # removed (and maybe re-made) meanwhile
+                if not same_file(dfd, where):  # removed (and maybe re-made) meanwhile
                     continue
                 live = list(_live_entries(where).values())
                 # Two splits: this budget's among the engines under it, and the
@@ -242,7 +244,7 @@ class NodeBudget:
             return
         try:
             fcntl.flock(dfd, fcntl.LOCK_EX)
-            if _same_dir(dfd, self.node_dir):
+            if same_file(dfd, self.node_dir):
                 os.rmdir(self.node_dir)
         except OSError:
             pass
@@ -276,12 +278,3 @@ def _make_shared_dir(where: str) -> None:
                 f"made it). Remove the directory once no engine runs, point {NODE_DIR_ENV} at "
                 f"a directory of your own, or give num_workers (--hicache-mp-workers) explicitly")
         time.sleep(0.01)  # its maker is between mkdir and chmod
-
-
-def _same_dir(dfd: int, path: str) -> bool:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return False
-    here = os.fstat(dfd)
-    return (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino)

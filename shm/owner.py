@@ -39,7 +39,7 @@ class OwnerLock:
                 # A cleaner that opened the file between our open and our flock
                 # took it for a dead owner's and removed it: then ours is an
                 # unlinked inode nobody can see. Make it again.
-                if _same_file(fd, self.path):
+                if same_file(fd, self.path):
                     self._fd = fd
                     return
             except BaseException:
@@ -64,7 +64,8 @@ class OwnerLock:
             os.close(fd)
 
 
-def _same_file(fd: int, path: str) -> bool:
+def same_file(fd: int, path: str) -> bool:
+    """True while `path` names the file open at `fd` (not removed, nor made anew)."""
     try:
         st = os.stat(path)
     except FileNotFoundError:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 
-from hicache_mp.cpubudget import read_throttle
+from hicache_mp.cpubudget import read_text, read_throttle
 
 PERIOD_US = 100_000
 PREFIX = "hicache_mp_bench."
@@ -35,20 +35,12 @@ def _cpu_mounts() -> list[tuple[int, str]]:
         if len(fields) < 6 or len(tail) < 3 or "rw" not in fields[5].split(","):
             continue
         if tail[0] == "cgroup2":
-            controllers = _read(os.path.join(fields[4], "cgroup.controllers")) or ""
+            controllers = read_text(os.path.join(fields[4], "cgroup.controllers")) or ""
             if "cpu" in controllers.split():
                 out.append((2, fields[4]))
         elif tail[0] == "cgroup" and "cpu" in tail[2].split(","):
             out.append((1, fields[4]))
     return sorted(out, key=lambda m: -m[0])
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None
 
 
 def _write(path: str, text: str) -> None:
@@ -81,7 +73,7 @@ class QuotaCgroup:
         quota = max(1000, int(round(cpus * PERIOD_US)))
         if self.version == 2:
             ctl = os.path.join(mount, "cgroup.subtree_control")
-            if "cpu" not in (_read(ctl) or "").split():
+            if "cpu" not in (read_text(ctl) or "").split():
                 _write(ctl, "+cpu")  # the mount's top: the no-internal-process rule spares it
         os.mkdir(self.path)
         try:
