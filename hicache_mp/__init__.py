@@ -6,10 +6,7 @@ worker processes (package `workers`) move the bytes.
 from shm import PageGeometry
 from workers.pool import BrokenPool
 
-from .config import EngineConfig
-from .closing import EngineClosed, EngineForked
-from .engine import PrefetchEngine
-from .ops import Op
+from .engine import EngineClosed, EngineConfig, EngineForked, Op, PrefetchEngine
 
 __all__ = ["PrefetchEngine", "EngineConfig", "PageGeometry", "Op", "make_engine",
            "BrokenPool", "EngineClosed", "EngineForked"]

@@ -97,7 +97,7 @@ from .bench.sim.bench import (ALL_RUNS, SLEEP0, Bench, BenchConfig, busy_machine
                               fast_file_label, merge_reports, table_rows)
 from .bench.sim.plot import plot_report
 from .bench.sim.summary import format_comparison, format_summary, format_verdict
-from .config import add_engine_flags, engine_options
+from .engine.config import add_engine_flags, engine_options
 from .integrations.common.identity import model_identity
 from .integrations.sglang.layouts import RAW_LAYOUTS
 from .integrations.sglang import serve as sglang_serve
@@ -178,7 +178,7 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
                    help="load prefetched pages into a device KV cache through DeviceLoader "
                         "before a request's first prefill chunk (file and mp runs): auto = "
                         "when CUDA is available; on = also on the CPU fallback; off = never")
-    add_engine_flags(p)  # every EngineConfig setting that declares a flag (hicache_mp.config)
+    add_engine_flags(p)  # every EngineConfig setting that declares a flag (hicache_mp.engine.config)
     return p
 
 

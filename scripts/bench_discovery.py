@@ -22,7 +22,7 @@ engine writes into it: discovery by worker probes against the whole-store rescan
                the writer's processes take from this machine's cores; on a
                real deployment the writer is another node and this is "quiet"
     probes     the writer on; this engine finds its pages through exists()
-               (workers stat the keys the index misses; hicache_mp.discovery)
+               (workers stat the keys the index misses; hicache_mp.engine.discovery)
     rescan     (a second engine, after) the writer on, an engine with
                rescan_interval_s=5, the old way for shared MLA stores (a thread
                of this process walks the store); against its own quiet slices

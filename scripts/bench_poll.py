@@ -6,7 +6,7 @@ drains a step's worth of completions in one poll(). This lets every page of
 the ops land first (the workers' page counters say when), then times the one
 poll() that drains them, for several drain sizes, twice in the same run: with
 the engine's own choice (bulk accounting, OpLedger.apply_many, for the
-pages of one op from hicache_mp.engine.BATCH_APPLY_MIN up, else page by page),
+pages of one op from hicache_mp.engine.prefetch.BATCH_APPLY_MIN up, else page by page),
 with bulk forced, and with page by page forced. Prints µs per completion and
 the ratio of page by page to the engine's choice.
 
@@ -21,7 +21,7 @@ import tempfile
 import time
 
 
-import hicache_mp.engine as engine_mod
+import hicache_mp.engine.prefetch as engine_mod
 from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine
 from workers.control import PAGES
 

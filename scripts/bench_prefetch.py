@@ -33,7 +33,7 @@ import torch
 
 from hicache_mp import EngineConfig, PageGeometry, make_engine
 from hicache_mp.bench.loop import idle_loop_rate, scheduler_step
-from hicache_mp.config import auto_workers
+from hicache_mp.engine.config import auto_workers
 from shm import HostPool, new_owner_tag
 from workers import naming, pagefile
 

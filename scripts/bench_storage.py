@@ -46,7 +46,7 @@ import time
 
 
 from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine
-from hicache_mp.config import DIRECT_IO_MODES, FSYNC_MODES, auto_workers
+from hicache_mp.engine.config import DIRECT_IO_MODES, FSYNC_MODES, auto_workers
 from workers import directio, naming, pagefile
 
 SCHEMA = "hicache_mp.bench_storage/1"

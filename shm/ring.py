@@ -126,7 +126,7 @@ class Ring:
 
     def pop_bytes(self) -> bytes:
         """`pop` of every record, as their bytes (b"" if none): a consumer that
-        joins several rings' records before reading them (hicache_mp.draining)
+        joins several rings' records before reading them (hicache_mp.engine.draining)
         copies each ring once, with no numpy call."""
         out = self._take(None, self._copy_bytes)
         return b"" if out is None else out

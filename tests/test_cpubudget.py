@@ -1,4 +1,4 @@
-"""hicache_mp.cpubudget and the auto worker count in a container's CPU limit.
+"""hicache_mp.engine.cpubudget and the auto worker count in a container's CPU limit.
 
 The rule (decision 89): CPUs = min(host cores, affinity mask, floor(quota)),
 the quota the tightest of the cgroup and its ancestors (v1 and v2). The
@@ -17,8 +17,8 @@ import textwrap
 import pytest
 
 from hicache_mp.bench.cgroups import QuotaCgroup
-from hicache_mp.cpubudget import CpuBudget, Quota, read_budget, read_quota, read_throttle
-from hicache_mp.nodebudget import NodeBudget, scheduler_cores
+from hicache_mp.engine.cpubudget import CpuBudget, Quota, read_budget, read_quota, read_throttle
+from hicache_mp.engine.nodebudget import NodeBudget, scheduler_cores
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -225,7 +225,7 @@ def test_a_real_quota_sizes_the_engine_and_its_throttling_shows(store):
 THROTTLED = textwrap.dedent("""
     import logging, subprocess, sys, time
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    from hicache_mp.cpubudget import ThrottleWatch, read_budget
+    from hicache_mp.engine.cpubudget import ThrottleWatch, read_budget
     budget = read_budget()
     watch = ThrottleWatch(budget, workers=3, interval_s=0.3)
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # in the cgroup too

@@ -6,7 +6,7 @@ must be found whole by one `exists(keys, wait_s=...)`, not a slice per call.
 """
 import time
 
-from hicache_mp.discovery import PROBE_TTL_S
+from hicache_mp.engine.discovery import PROBE_TTL_S
 from helpers import engine, fill, random_pages, read_back
 
 PAGES = 300   # longer than SGLang's 128-page storage batch and than any small probe cap
@@ -108,7 +108,7 @@ def test_an_answer_nobody_drained_is_not_taken_for_a_later_ask(store, monkeypatc
     undrained past ANSWER_LOST_S, when a new ask of that key no longer waits
     for it. Drained first, it is not taken for the new ask's answer, so the
     pages written meanwhile are found."""
-    from hicache_mp import discovery
+    from hicache_mp.engine import discovery
     # 0.5 s, not 2 s, to sit out: still above PROBE_TTL_S, as the engine's is
     monkeypatch.setattr(discovery, "ANSWER_LOST_S", 0.5)
     keys = [f"idle-{i}" for i in range(8)]

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-import hicache_mp.engine as engine_mod
+import hicache_mp.engine.prefetch as engine_mod
 
 from faultkit import MID, content, fingerprint, get, make, page_file, put, \
     workers_counted  # noqa: E402

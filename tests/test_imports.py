@@ -16,8 +16,12 @@ PACKAGES = ("shm", "workers", "hicache_mp")
 # Modules that need an optional dependency: without it, their import must
 # fail with the ImportError that says what to install (and nothing else).
 OPTIONAL = {"hicache_mp.integrations.sglang.backend": "needs SGLang",
+            # the package imports the tier, hence vLLM (the module_path vLLM loads)
             "hicache_mp.integrations.vllm": "needs vLLM",
-            "hicache_mp.integrations.vllm_import": "needs vLLM",
+            "hicache_mp.integrations.vllm.api": "needs vLLM",
+            "hicache_mp.integrations.vllm.tier": "needs vLLM",
+            "hicache_mp.integrations.vllm.lookup": "needs vLLM",
+            "hicache_mp.integrations.vllm.masks": "needs vLLM",
             "hicache_mp.bench.sglang.nobytes": "needs SGLang"}
 
 # Every import of a project module inside a function, and why it is there.

@@ -1,4 +1,4 @@
-"""The ledger's rules against the ledger alone (hicache_mp/ledger.py).
+"""The ledger's rules against the ledger alone (hicache_mp/engine/ledger.py).
 
 No engine, no workers, no shared memory: an OpLedger over an index of an
 empty store in tmp_path, and Op objects made by hand, as the engine makes
@@ -10,9 +10,9 @@ lost worker's pages. Quick: the whole file runs in well under a second.
 import numpy as np
 import pytest
 
-from hicache_mp.index import StoreIndex
-from hicache_mp.ledger import OpLedger
-from hicache_mp.ops import READ, WRITE, Op
+from hicache_mp.engine.index import StoreIndex
+from hicache_mp.engine.ledger import OpLedger
+from hicache_mp.engine.ops import READ, WRITE, Op
 from shm.ring import RECORD_DTYPE
 from workers import status as st
 from workers.control import pin_slots

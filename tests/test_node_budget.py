@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from hicache_mp import EngineConfig, PrefetchEngine
-from hicache_mp.nodebudget import NODE_CORES_ENV, NODE_DIR_ENV, NodeBudget, budget_share, \
+from hicache_mp.engine.nodebudget import NODE_CORES_ENV, NODE_DIR_ENV, NodeBudget, budget_share, \
     live_shares
 from shm import PageGeometry
 
@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # and holds it until its stdin closes.
 SHARE = """
 import sys; sys.path.insert(0, sys.argv[1])
-from hicache_mp.nodebudget import NodeBudget
+from hicache_mp.engine.nodebudget import NodeBudget
 share = NodeBudget(int(sys.argv[2]), cores=int(sys.argv[3]))
 print(share.workers, flush=True); sys.stdin.read(); share.close()
 """

@@ -30,20 +30,20 @@ PUBLIC_UNDERSCORE = {
 
 # (module path, attribute) -> why it stays.
 ALLOWED = {
-    # Op's engine-side feed (hicache_mp/ops.py, "fed by the engine"): the
+    # Op's engine-side feed (hicache_mp/engine/ops.py, "fed by the engine"): the
     # ledger is its one writer, close() and the waiters read how far it is.
     # Public names would offer them to every caller holding an Op, and the
     # bulk path must not pay a property per op.
-    ("hicache_mp/ledger.py", "_complete"): "Op's feed: the ledger is its one writer",
-    ("hicache_mp/ledger.py", "_complete_many"): "Op's feed: the ledger is its one writer",
-    ("hicache_mp/ledger.py", "_remaining"): "Op's pages outstanding: the lazy poll's bound",
-    ("hicache_mp/waiters.py", "_remaining"): "Op's pages outstanding: a wake-up target (note 1)",
-    ("hicache_mp/closing.py", "_remaining"): "Op's pages outstanding: what close() flushed",
-    ("hicache_mp/closing.py", "_cancel"): "Op's feed: close() cancels every op",
-    ("hicache_mp/core.py", "_cancel"): "Op's feed: cancel() freezes the op's progress",
+    ("hicache_mp/engine/ledger.py", "_complete"): "Op's feed: the ledger is its one writer",
+    ("hicache_mp/engine/ledger.py", "_complete_many"): "Op's feed: the ledger is its one writer",
+    ("hicache_mp/engine/ledger.py", "_remaining"): "Op's pages outstanding: the lazy poll's bound",
+    ("hicache_mp/engine/waiters.py", "_remaining"): "Op's pages outstanding: a wake-up target (note 1)",
+    ("hicache_mp/engine/closing.py", "_remaining"): "Op's pages outstanding: what close() flushed",
+    ("hicache_mp/engine/closing.py", "_cancel"): "Op's feed: close() cancels every op",
+    ("hicache_mp/engine/core.py", "_cancel"): "Op's feed: cancel() freezes the op's progress",
     # threading.RLock has no public "held by this thread?" query.
-    ("hicache_mp/closing.py", "_is_owned"): "RLock._is_owned: no public query; a handler "
-                                            "that interrupted this thread's update",
+    ("hicache_mp/engine/closing.py", "_is_owned"): "RLock._is_owned: no public query; a "
+                                                   "handler that interrupted this thread's update",
     # Other projects' private attributes the benches must read or set.
     ("hicache_mp/bench/vllm/tier.py", "_use_o_direct"): "vLLM's tier: O_DIRECT forced off "
                                                         "for the bench's page-cache runs",
@@ -55,8 +55,9 @@ ALLOWED = {
     ("hicache_mp/bench/sglang/stack.py", "_stop_storage_threads"): "SGLang's cache controller: "
                                                                    "its only stop call",
     # To do: each goes once its owner's work lands (issue 34).
-    ("hicache_mp/device.py", "_lock"): "to do: the DeviceLoader drives the engine, not the "
-                                       "other way round; until then it steps under its lock",
+    ("hicache_mp/device/loader.py", "_lock"): "to do: the DeviceLoader drives the engine, not "
+                                              "the other way round; until then it steps under "
+                                              "its lock",
     ("hicache_mp/flagsdoc.py", "_kind"): "to do: config.py's field-kind helper made public",
     ("hicache_mp/bench/sglang/hybrid_controller.py", "_device"): "to do: bench.sglang.real's "
                                                                  "helper made public",

@@ -1,4 +1,4 @@
-"""Settings are declared once (hicache_mp.config) and parsed strictly.
+"""Settings are declared once (hicache_mp.engine.config) and parsed strictly.
 
 A setting added as one field of EngineConfig shows up in `hicache-mp bench
 --help`, in the parsed command line, in EngineConfig and, through SGLang's
@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from hicache_mp import cli, config
-from hicache_mp.config import EngineConfig, setting
+from hicache_mp import cli
+from hicache_mp.engine import config
+from hicache_mp.engine.config import EngineConfig, setting
 
 
 @dataclass

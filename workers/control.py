@@ -54,7 +54,7 @@ it: a racing reader may see a read outstanding a moment before it is queued
 pair is zeroed before its replacement starts, so its lost reads do not stay
 outstanding.
 
-Wake-up target (the protocol's numbered note is hicache_mp/waiters.py's
+Wake-up target (the protocol's numbered note is hicache_mp/engine/waiters.py's
 docstring; notes 1-4 are these words): while threads wait on ops, WAKE_AT is the lowest sum of
 every worker's PAGES at which one of those ops is surely done (the engine's
 count of completions it has drained, plus that op's pages outstanding: a
@@ -72,7 +72,7 @@ long it took to run again (the `wait_gil_delay_ms` metric).
 
 Heartbeat: a lane stores the monotonic clock (system-wide, so the engine can
 compare it with its own) when it starts a page I/O and 0 when it ends. The
-engine's watchdog (hicache_mp.supervisor) looks for an I/O older than its stall
+engine's watchdog (hicache_mp.engine.supervisor) looks for an I/O older than its stall
 limit with one vectorised compare per health check.
 
 Pins: a counting table indexed by the first 8 bytes of the page digest
@@ -142,7 +142,7 @@ class Control:
 
     def pages_done(self) -> int:
         """Every worker's PAGES summed (a page is counted before its
-        completion is pushed: hicache_mp.waiters, note 1); the GIL held.
+        completion is pushed: hicache_mp.engine.waiters, note 1); the GIL held.
         Only the engine's own workers' words: a lazy poll (decision 88) reads
         this on every call, and all MAX_WORKERS words cost it 6 us of 8."""
         return gilkeep.total(self.workers[:self.num_workers, PAGES])

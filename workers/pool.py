@@ -122,7 +122,7 @@ class WorkerPool:
         self._handles: list[WorkerHandle] = []
         self.closed = False
         # Reentrant: close() may run in a signal handler that interrupted
-        # this thread inside check() or broken (hicache_mp.closing).
+        # this thread inside check() or broken (hicache_mp.engine.closing).
         self._lock = threading.RLock()
         self._broken: str | None = None
         self._start_failures = [0] * num_workers

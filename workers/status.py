@@ -55,6 +55,6 @@ NAMES = {int(s): s.label for s in Status}
 READ_MISSES = (MISS, CORRUPT, FOREIGN, WRONG_KEY, UNREADABLE, UNVERIFIED)
 # Of those, a file that is there but cannot serve: damaged, or unreadable
 # (EACCES, EIO, a directory or a symlink in its place). The probe would find it
-# again by its name and size, so the index distrusts it (hicache_mp.index) and
+# again by its name and size, so the index distrusts it (hicache_mp.engine.index) and
 # the next backup writes it anew, as decision 81 says.
 READ_DAMAGED = (CORRUPT, FOREIGN, WRONG_KEY, UNREADABLE, UNVERIFIED)

@@ -44,7 +44,7 @@ announces:
                               worker: not waited for (PROBE_TTL_S lets it be
                               asked again long before)
 
-close() (hicache_mp.closing), on the same clock:
+close() (hicache_mp.engine.closing), on the same clock:
 
     FLUSH_POLL_S       2 ms   the polling flush (a close inside an engine call
                               of its own thread) sleeps this long between polls

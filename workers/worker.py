@@ -236,11 +236,11 @@ class Worker:
                 if self.parent_gone() or self.control.stopping():
                     return
                 time.sleep(BACKOFF_S)
-        if self.control.words[WAITERS]:  # read after the push (hicache_mp.waiters, note 3)
+        if self.control.words[WAITERS]:  # read after the push (hicache_mp.engine.waiters, note 3)
             self._maybe_wake()
 
     def _maybe_wake(self) -> None:
-        """The post side of the wake-up protocol (hicache_mp.waiters, note 4).
+        """The post side of the wake-up protocol (hicache_mp.engine.waiters, note 4).
         Post the waiter's semaphore: always when a waiter set no
         target (control: WAKE_AT); with one, once it is reached, once per
         target (WAKE_SEQ / POSTED_SEQ), and not while a post is pending:
@@ -264,7 +264,7 @@ class Worker:
     def _probe(self, digest: bytes) -> int:
         """Is this key's page in the store? One lookup (a read still checks the
         page). Answers the engine's discovery of pages other engines wrote
-        (hicache_mp.discovery)."""
+        (hicache_mp.engine.discovery)."""
         return status.OK if self.store.exists(digest) else status.MISS
 
     def _reserve(self, digest: bytes, op_id: int, lane: Lane) -> tuple[int, int] | None:

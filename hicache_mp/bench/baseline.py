@@ -9,7 +9,7 @@ every step needs the GIL, which a busy scheduler loop rarely lets go. Same
 API, same file format and same host pool as `PrefetchEngine`.
 
 Owns only that thread's loop, as an I/O backend (ThreadedFileIO, on
-hicache_mp.iobackend's protocol) under a plain EngineCore. Must not be used
+hicache_mp.engine.iobackend's protocol) under a plain EngineCore. Must not be used
 as the production path.
 """
 import os
@@ -20,9 +20,9 @@ import torch
 from workers import pagefile, tmpfiles
 from workers import status as st
 
-from ..core import EngineCore
-from ..iobackend import IOContext
-from ..ops import READ, Op
+from ..engine.core import EngineCore
+from ..engine.iobackend import IOContext
+from ..engine.ops import READ, Op
 from .inprocess import InProcessThreads
 from .storedir import write_page_file
 
@@ -92,7 +92,7 @@ class ThreadedFileIO(InProcessThreads):
 
         return write_page_file(path, tmpfiles.tmp_name(path, self._serial), write)
 
-    # --- the protocol (hicache_mp.iobackend) ------------------------------------
+    # --- the protocol (hicache_mp.engine.iobackend) ------------------------------------
     def submit(self, op: Op) -> None:
         q = self._queues[op.kind]
         for pos in range(op.num_pages):

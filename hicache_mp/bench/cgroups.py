@@ -5,7 +5,7 @@ Owns making one cgroup (v2: a directory under the cgroup2 mount with
 moving a process into it (`enter`, for a Popen `preexec_fn`, so the process
 and everything it starts are in it before they run), and removing it once
 its processes are gone. Must not touch any cgroup it did not make; the
-product never writes cgroups (hicache_mp.cpubudget only reads them).
+product never writes cgroups (hicache_mp.engine.cpubudget only reads them).
 
 `QuotaCgroup.unavailable()` says why a machine cannot have one (not root, no
 writable CPU controller), for a skip that names the reason.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 
-from hicache_mp.cpubudget import read_text, read_throttle
+from hicache_mp.engine.cpubudget import read_text, read_throttle
 
 PERIOD_US = 100_000
 PREFIX = "hicache_mp_bench."
@@ -101,7 +101,7 @@ class QuotaCgroup:
         _write(self._procs, str(os.getpid()))
 
     def stat(self) -> dict:
-        """The cgroup's own throttle counters (hicache_mp.cpubudget.read_throttle)."""
+        """The cgroup's own throttle counters (hicache_mp.engine.cpubudget.read_throttle)."""
         return read_throttle(self.path) or {}
 
     def close(self, timeout_s: float = 10.0) -> None:

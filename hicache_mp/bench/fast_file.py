@@ -35,7 +35,7 @@ ctypes buffer per page), and the controller's thread-to-thread hand-offs of
 an op (hit query, I/O, progress sync) happen on one thread here.
 
 Owns only those threads, as an I/O backend (FastFileIO, on
-hicache_mp.iobackend's protocol) under a plain EngineCore. Must not be used
+hicache_mp.engine.iobackend's protocol) under a plain EngineCore. Must not be used
 as the production path.
 """
 import os
@@ -49,9 +49,9 @@ import torch
 from workers import pagefile, tmpfiles
 from workers import status as st
 
-from ..core import EngineCore
-from ..iobackend import IOContext
-from ..ops import READ, Op
+from ..engine.core import EngineCore
+from ..engine.iobackend import IOContext
+from ..engine.ops import READ, Op
 from .inprocess import InProcessThreads
 from .storedir import write_page_file
 
@@ -243,7 +243,7 @@ class FastFileIO(InProcessThreads):
         flat = self.host_pool.page_view(slot).contiguous()
         return self._write_page(digest, [memoryview(flat.view(-1).view(torch.uint8).numpy())])
 
-    # --- the protocol (hicache_mp.iobackend) --------------------------------------
+    # --- the protocol (hicache_mp.engine.iobackend) --------------------------------------
     def submit(self, op: Op) -> None:
         self._queues[op.kind].put(op)
 

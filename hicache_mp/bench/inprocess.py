@@ -1,7 +1,7 @@
 """The in-process baselines' I/O backend base: a read and a write thread in the scheduler's process.
 
 Owns what `file` (hicache_mp.bench.baseline) and `fast_file`
-(hicache_mp.bench.fast_file) share as I/O backends (hicache_mp.iobackend's
+(hicache_mp.bench.fast_file) share as I/O backends (hicache_mp.engine.iobackend's
 protocol, under a plain EngineCore): their host pool, the two queues and
 threads, the completion deque, the event sleepers wait on, and stopping it
 all. Must not do I/O: each subclass's `_loop(kind)` does that, the way the
@@ -13,8 +13,8 @@ import threading
 
 from shm import HostPool, clean_stale, new_owner_tag
 
-from ..iobackend import IOContext
-from ..ops import READ, WRITE, Op
+from ..engine.iobackend import IOContext
+from ..engine.ops import READ, WRITE, Op
 
 
 class InProcessThreads:
@@ -46,7 +46,7 @@ class InProcessThreads:
     def _stop_helpers(self) -> None:
         """After the threads are joined: anything else they used (thread pools)."""
 
-    # --- the protocol (hicache_mp.iobackend), as far as both baselines share it ---
+    # --- the protocol (hicache_mp.engine.iobackend), as far as both baselines share it ---
     def check_accepting(self) -> None:
         pass
 

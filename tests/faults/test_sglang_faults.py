@@ -449,7 +449,7 @@ def _damaged_then_asked(rank, truth, how):
 
 def test_a_right_sized_damaged_state_is_not_claimed_again_after_its_read_failed(ranks):
     """A right-sized file with a bad header: the probe finds it again by name
-    and size, and the index does not believe it (hicache_mp.index)."""
+    and size, and the index does not believe it (hicache_mp.engine.index)."""
     rank = ranks(hybrid=True, num_workers=1)
     keys, restorable = _damaged_then_asked(rank, Truth(rank, 6), "magic")
     assert restorable == [], restorable

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import pytest
 
 import helpers
-from hicache_mp.config import EngineConfig
+from hicache_mp.engine.config import EngineConfig
 from hicache_mp.integrations.common import CallStats, RegionNotShared, Slots, check_known, \
     engine_config, engine_key, engine_keys, file_region, leading, open_region, own_settings, \
     settable_keys, wait_or_abandon
-from hicache_mp.config import parse_value, setting, settings
+from hicache_mp.engine.config import parse_value, setting, settings
 
 
 @dataclass

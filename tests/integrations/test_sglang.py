@@ -202,7 +202,7 @@ def test_exists_sees_pages_another_process_wrote(attach, store, monkeypatch):
     for name in ("scandir", "listdir", "walk", "stat", "lstat"):
         real = getattr(os, name)
         monkeypatch.setattr(os, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
-    time.sleep(0.3)  # past the probe's negative cache for these keys (hicache_mp.discovery)
+    time.sleep(0.3)  # past the probe's negative cache for these keys (hicache_mp.engine.discovery)
     assert b.batch_exists(keys) == 6   # one call: it waits for the workers' answers
     monkeypatch.undo()
     assert calls == []

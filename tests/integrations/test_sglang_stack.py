@@ -74,7 +74,7 @@ def test_failure_injector_rounds_end_with_exact_prefixes(tmp_path):
 def test_tp_ranks_share_the_node_budget(tmp_path, monkeypatch):
     """A TP-4 server's rank takes its quarter of the node's auto worker budget
     from the moment it starts, before the other ranks have registered."""
-    from hicache_mp.nodebudget import NODE_CORES_ENV, NODE_DIR_ENV, live_shares
+    from hicache_mp.engine.nodebudget import NODE_CORES_ENV, NODE_DIR_ENV, live_shares
     node = str(tmp_path / "node")
     monkeypatch.setenv(NODE_DIR_ENV, node)
     monkeypatch.setenv(NODE_CORES_ENV, "16")

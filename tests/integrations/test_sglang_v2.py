@@ -515,9 +515,9 @@ def test_page_major_memfd_pools_are_zero_copy_and_their_files_read_staged(make, 
 
 def test_sidecar_engines_count_against_the_node_budget(make, stacks, tmp_path, monkeypatch):
     """With auto workers, each sidecar engine registers in the node's budget as
-    an auxiliary of its rank (hicache_mp.nodebudget): at most 2 workers, taken
+    an auxiliary of its rank (hicache_mp.engine.nodebudget): at most 2 workers, taken
     from what the KV engine left, never a scheduler of its own."""
-    from hicache_mp.nodebudget import NODE_CORES_ENV, NODE_DIR_ENV, live_shares
+    from hicache_mp.engine.nodebudget import NODE_CORES_ENV, NODE_DIR_ENV, live_shares
     node = str(tmp_path / "node")
     monkeypatch.setenv(NODE_DIR_ENV, node)
     monkeypatch.setenv(NODE_CORES_ENV, "16")

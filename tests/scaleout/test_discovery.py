@@ -5,7 +5,7 @@ own (the scheduler's) process.
 The walk check observes, it does not replace: os.scandir, os.listdir, os.walk
 and os.stat of this process are wrapped to count calls (and then do what they
 always do) while B waits for A's pages. Workers are other processes: their
-stats are the mechanism under test (hicache_mp.discovery).
+stats are the mechanism under test (hicache_mp.engine.discovery).
 """
 import os
 import time

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from hicache_mp import cli
-from hicache_mp.config import settings
+from hicache_mp.engine.config import settings
 
 FLAGS = ("--quick", "--hicache-storage-backend", "--hicache-mp-workers",
          "--hicache-storage-prefetch-policy", "--prefetch-timeout-s", "--page-size",
@@ -14,7 +14,7 @@ FLAGS = ("--quick", "--hicache-storage-backend", "--hicache-mp-workers",
          "--seed", "--host-pool-pages", "--json", "--plot", "--no-verify", "--device-load",
          "--fast-file-read-workers", "--fast-file-write-workers", "--merge",
          "--scheduler-idle-sleep0")
-# Engine flags come from the settings registry (hicache_mp.config): each must be in --help.
+# Engine flags come from the settings registry (hicache_mp.engine.config): each must be in --help.
 ENGINE_FLAGS = tuple(f.metadata["setting"].flag for f in settings()
                      if f.metadata["setting"].flag and f.metadata["setting"].flag not in FLAGS)
 

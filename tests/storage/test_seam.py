@@ -24,8 +24,8 @@ def test_the_worker_makes_no_file_syscalls():
 
 def test_only_the_registry_names_a_store_kind():
     """Neither the worker, the evictor nor the engine knows which stores exist."""
-    for rel in ("workers/worker.py", "workers/evictor.py", "hicache_mp/engine.py",
-                "hicache_mp/core.py", "hicache_mp/index.py"):
+    for rel in ("workers/worker.py", "workers/evictor.py", "hicache_mp/engine/prefetch.py",
+                "hicache_mp/engine/core.py", "hicache_mp/engine/index.py"):
         src = _source(rel)
         assert "filestore" not in src and "stripestore" not in src and "StripedStore" not in src, rel
     assert "StripedStore" in _source("workers/stores.py")

@@ -113,7 +113,7 @@ def test_require_checksum_refuses_pages_stored_without_one(store):
 
 def test_require_checksum_reaches_the_config_from_the_flag_and_checks_its_type():
     import argparse
-    from hicache_mp.config import EngineConfig, add_engine_flags, engine_options, sglang_options
+    from hicache_mp.engine.config import EngineConfig, add_engine_flags, engine_options, sglang_options
     p = argparse.ArgumentParser()
     add_engine_flags(p)
     on = engine_options(p.parse_args(["--hicache-mp-require-checksum", "true"]))

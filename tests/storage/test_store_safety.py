@@ -13,7 +13,7 @@ import time
 import pytest
 
 from faultkit import MID, backup, content, fingerprint, get, make, page_file, prefetch, store_files
-from hicache_mp.index import StoreIndex
+from hicache_mp.engine.index import StoreIndex
 from workers import naming, tmpfiles
 from workers import status as st
 

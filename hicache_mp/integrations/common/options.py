@@ -3,15 +3,15 @@
 Three kinds of key: the engine's settings (every EngineConfig field declared
 with `setting(..., sglang=True)`: the flag was named for SGLang and means "an
 adapter may set it"), the adapter's own (a dataclass declared the same way,
-hicache_mp.config.setting), and the framework's own keys (SGLang's loader
+hicache_mp.engine.config.setting), and the framework's own keys (SGLang's loader
 switches, vLLM's tier `type`/`locality`), which the adapter names. Every value
 is parsed strictly by the field that declares it, so a bad value is a
 ValueError naming its key, before any engine starts. A key none of them reads
 is what `check_known` reports: SGLang's adapter warns (its dict is shared with
 SGLang), vLLM's refuses (the dict is the tier's alone). Must not start anything.
 """
-from ... import config
-from ...config import EngineConfig, sglang_keys, sglang_options
+from ...engine import config
+from ...engine.config import EngineConfig, sglang_keys, sglang_options
 
 
 def settable_keys(own_cls=None) -> frozenset:

@@ -46,7 +46,7 @@ from shm import PageGeometry, gilkeep
 from shm.segment import SHM_SIZE_FIX, ShmFullError
 from workers.stores import open_store
 
-from ...config import EngineConfig
+from ...engine.config import EngineConfig
 from ...engine import PrefetchEngine
 from ..common import CallStats, check_known, engine_config, leading, model_identity, \
     own_settings, wait_or_abandon
@@ -150,7 +150,7 @@ class HiCacheMP(HiCacheStorage):
     else $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else /tmp/hicache_mp),
     `staging_pages`, `io_timeout_s`, `zero_copy` (false forces the staging
     path), `probe_wait_s` (settings.AdapterConfig), and every EngineConfig
-    setting declared with `sglang=True` (hicache_mp.config: `num_workers`,
+    setting declared with `sglang=True` (hicache_mp.engine.config: `num_workers`,
     `direct_io`, `fsync`, `write_checksum`, `storage_max_bytes` ("500G" or
     bytes), ...), parsed strictly by EngineConfig. A key nobody reads is
     logged once: a typo must not silently leave the disk without its limit.

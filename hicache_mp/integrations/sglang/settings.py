@@ -1,7 +1,7 @@
 """The SGLang adapter's extra-config keys: its own settings and the keys SGLang reads.
 
 Owns `AdapterConfig` (the adapter's own keys, declared as the engine's are,
-hicache_mp.config.setting), the keys SGLang's own loader reads, and where the
+hicache_mp.engine.config.setting), the keys SGLang's own loader reads, and where the
 store lives when the extra config does not say. Imports no SGLang or torch,
 so the flags reference (hicache_mp.flagsdoc) is written without them. Must
 not start anything.
@@ -10,7 +10,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from ...config import parse_value, setting, settings
+from ...engine.config import parse_value, setting, settings
 from ..common import settable_keys
 
 DEFAULT_STORAGE_DIR = "/tmp/hicache_mp"
@@ -24,7 +24,7 @@ SGLANG_OWN_KEYS = frozenset({
 
 @dataclass
 class AdapterConfig:
-    """This adapter's own extra-config keys, declared as the engine's are (hicache_mp.config)."""
+    """This adapter's own extra-config keys, declared as the engine's are (hicache_mp.engine.config)."""
     staging_pages: int = setting(DEFAULT_STAGING_PAGES, "staging pool size on the non-zero-copy "
                                  "path", sglang=True, lo=1)
     io_timeout_s: float = setting(math.inf, "give up on a batch after this long: its "

@@ -46,7 +46,7 @@ class SidecarPool:
 
     def present(self, keys, ask: bool = True, wait: bool = True) -> np.ndarray:
         """Per key: its page is in the store. Keys the index misses are asked of
-        the workers, as for KV (hicache_mp.discovery): another process sharing
+        the workers, as for KV (hicache_mp.engine.discovery): another process sharing
         the directory may have written them, and no stat runs in this process.
         With `wait` False the answers already in are applied and none is
         waited for (a later call sees the rest)."""

@@ -25,7 +25,7 @@ from shm import PageGeometry
 from workers import naming
 from workers import status as st
 
-from ...config import EngineConfig
+from ...engine.config import EngineConfig
 from ...engine import PrefetchEngine
 from .layouts import RAW_LAYOUTS, flat_page_view
 from .names import SGLangShard

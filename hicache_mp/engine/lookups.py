@@ -3,12 +3,12 @@
 Owns the public calls on the exists index (exists, ask, present,
 awaiting_discovery, mark_present, forget_all, indexed_pages, refresh) and the
 wait for probe answers. Must not make a system call on the caller's thread (the index is
-in memory; workers stat the store for keys it misses, hicache_mp.discovery)
+in memory; workers stat the store for keys it misses, hicache_mp.engine.discovery)
 nor let the GIL go outside the engine's one sleep (decision 74).
 
 `IndexLookups` is a mixin of EngineCore, whose `__init__` makes the index,
 the discovery table and the lock it uses. (The vLLM adapter's per-step
-lookups are hicache_mp.integrations.vllm_lookup.Lookups, on top of these.)
+lookups are hicache_mp.integrations.vllm.lookup.Lookups, on top of these.)
 """
 import time
 
@@ -29,7 +29,7 @@ class IndexLookups:
 
         No syscall here. The keys the index does not know are asked of the
         store by workers (one stat each, at most once per PROBE_TTL_S per
-        key; hicache_mp.discovery): when none of the prefix is known, its
+        key; hicache_mp.engine.discovery): when none of the prefix is known, its
         first key alone, and once that one is found, the keys after it
         together: pages another engine wrote are found by a later call once
         `poll()` has the answers, or by this one with `wait_s` > 0, which

@@ -5,7 +5,7 @@ backups, stop the I/O, cancel what is left, wake the other threads' sleepers
 and wait for them to leave, release shared memory), the per-thread count of
 threads asleep inside the engine, and the close report. Must not move page
 bytes or know the workers: the engine's I/O backend (`_io`:
-shutdown, wake_all, release; hicache_mp.iobackend) does that.
+shutdown, wake_all, release; hicache_mp.engine.iobackend) does that.
 
 A server closes the engine in its SIGTERM handler, and a handler runs on the
 main thread between two bytecodes, perhaps in the middle of an engine call on

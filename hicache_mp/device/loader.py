@@ -24,10 +24,10 @@ landed. The caller must not reuse host slots before a load handle is `done`,
 nor hand the loader slots an engine op is still using. Close the loader
 before the engine: the registration must end while the pool is still mapped.
 
-The parts: `device_setup` makes the K/V buffers and the views of them and
-of the pool, `device_copies` queues one batch's copies (and says how bytes
-move for each layout), `device_plan` chooses the method, `device_handles`
-holds a caller's progress, `device_cuda` the registration; this class says
+The parts: `buffers` makes the K/V buffers and the views of them and
+of the pool, `copies` queues one batch's copies (and says how bytes
+move for each layout), `plan` chooses the method, `handles`
+holds a caller's progress, `cuda` the registration; this class says
 when: step() issues pages newly landed and backs up stores once copied.
 """
 import time
@@ -35,11 +35,11 @@ import time
 import numpy as np
 import torch
 
-from . import device_plan as plan
-from .device_copies import Copies
-from .device_cuda import stream_context
-from .device_handles import LoadHandle, StoreHandle
-from .device_setup import host_views, kv_buffers
+from . import plan
+from .buffers import host_views, kv_buffers
+from .copies import Copies
+from .cuda import stream_context
+from .handles import LoadHandle, StoreHandle
 
 
 class DeviceLoader(Copies):
@@ -210,7 +210,7 @@ class DeviceLoader(Copies):
             return self._advance_all()
         # Driven by the engine's poll() (attach_loader): every page outcome the
         # engine applies to an op bumps its completion count
-        # (EngineCore.outcomes_applied, hicache_mp.ledger), always under its
+        # (EngineCore.outcomes_applied, hicache_mp.engine.ledger), always under its
         # lock, which poll() holds here. With no outcome since the last look, no load has a page to issue or has
         # ended: one compare, however many loads are in flight (a scheduler
         # polls far more often than pages land; decision 83).

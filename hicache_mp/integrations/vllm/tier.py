@@ -27,7 +27,7 @@ step, not per job). get_finished_jobs polls the engine lazily
 (engine.poll(lazy=True): counter loads, and a bulk drain once an op may be
 done; decision 88) and answers for the jobs of every op that is done,
 together: a row is never reported while the engine still holds it. lookup
-answers from the engine's in-memory index (vllm_lookup). Only drain_jobs and
+answers from the engine's in-memory index (lookup). Only drain_jobs and
 shutdown wait, as vLLM's contract says.
 
 Capacity (storage_max_bytes, storage_min_free_bytes: LRU eviction by a
@@ -50,15 +50,14 @@ import numpy as np
 from shm import PageGeometry, gilkeep
 from workers import status as st
 
-from ..config import parse_value, setting, settings
-from ..core import EngineClosed
-from ..engine import PrefetchEngine
-from .common import RegionNotShared, check_known, engine_config, engine_key, engine_keys, \
+from ...engine import EngineClosed, PrefetchEngine
+from ...engine.config import parse_value, setting, settings
+from ..common import RegionNotShared, check_known, engine_config, engine_key, engine_keys, \
     file_region, model_identity, open_region, own_settings, settable_keys, wait_or_abandon
-from .vllm_import import JobResult, Locality, LookupResult, Medium, OffloadingEvent, \
+from .api import JobResult, Locality, LookupResult, Medium, OffloadingEvent, \
     RequestOffloadingContext, SecondaryTierManager, TransferJob
-from .vllm_lookup import Lookups
-from .vllm_masks import either, equal, where
+from .lookup import Lookups
+from .masks import either, equal, where
 
 log = logging.getLogger("hicache_mp.vllm")
 
@@ -74,7 +73,7 @@ _OK = int(st.OK)
 
 @dataclass
 class TierSettings:
-    """This tier's own keys, declared as the engine's are (hicache_mp.config)."""
+    """This tier's own keys, declared as the engine's are (hicache_mp.engine.config)."""
     drain_timeout_s: float = setting(math.inf, "drain_jobs() waits this long per job, then "
                                      "abandons it (its unfinished pages fail; a stuck worker "
                                      "is killed and replaced)", sglang=True, lo=0,

@@ -5,12 +5,12 @@ and adopted), their per-(kv, layer) word views and the fused view over all of
 them when they sit on one regular grid, and the host pool's views: as
 [host page, kv, layer, W] words, and through its CUDA registration's device
 mapping (what a zero-copy gather reads). Must not issue copies or keep state:
-`DeviceLoader` holds what these return, `device_copies` moves the bytes.
+`DeviceLoader` holds what these return, `copies` moves the bytes.
 """
 import torch
 
-from . import device_plan as plan
-from .device_cuda import HostRegistration, mapped_bytes
+from . import plan
+from .cuda import HostRegistration, mapped_bytes
 
 
 def kv_buffers(g, device, word, num_device_pages, k_buffers, v_buffers):

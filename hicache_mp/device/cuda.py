@@ -3,7 +3,7 @@
 Owns cudaHostRegister/cudaHostUnregister of the host pool, the device-side
 view of that registered memory (what a gather kernel reads through), and the
 completed-event / null-stream stand-ins of the CPU fallback. Must not plan or
-issue copies: `device_plan` and `device_copies` do that.
+issue copies: `plan` and `copies` do that.
 """
 import contextlib
 

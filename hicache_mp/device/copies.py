@@ -24,7 +24,7 @@ the same bytes = 55 GB/s):
     in one launch per layer, whatever the page order) into staging, and the
     device scatter follows. Loader: 48 GB/s for 128 random pages (0.87 x
     pinned copy_): the PCIe read latency of zero-copy costs the rest.
-  - `device_plan.choose` makes the call per batch (average DMA copy >= 1 MiB:
+  - `plan.choose` makes the call per batch (average DMA copy >= 1 MiB:
     DMA, else gather); `method="memcpy"|"gather"` forces one. DMA wins ties
     because it runs on the copy engines, not on the SMs a concurrent forward
     pass needs; zero-copy gathers occupy SMs while they wait on PCIe.
@@ -32,14 +32,14 @@ the same bytes = 55 GB/s):
 import numpy as np
 import torch
 
-from . import device_plan as plan
-from .device_cuda import DONE
+from . import plan
+from .cuda import DONE
 
 
 class Copies:
     """DeviceLoader's copy machinery, a mixin: the loader holds the state it
     reads (geometry, method, staging_pages, device, cuda, timing, the streams,
-    the views made by `device_setup`, the staging dict `_stage`)."""
+    the views made by `buffers`, the staging dict `_stage`)."""
 
     # --- host -> device -----------------------------------------------------
     def _issue_load(self, host: np.ndarray, dev: np.ndarray) -> list:

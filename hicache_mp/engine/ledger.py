@@ -10,7 +10,7 @@ rules that change it:
   - the status counts per kind and the busy time per kind;
   - the engine-wide landed order (`seq`, Op.landed_seq) and the worker
     completions drained (`worker_pages`, the count a wake-up target is built
-    on: hicache_mp.waiters, note 1);
+    on: hicache_mp.engine.waiters, note 1);
   - the backup budget's count of host pages held by backups in flight;
   - one log line per distinct cause.
 Its rules: admit (an op's slots, pins and budget), apply (one page), apply_many
@@ -18,8 +18,8 @@ Its rules: admit (an op's slots, pins and budget), apply (one page), apply_many
 landed order), retire (a done op), fail a lost worker's pages, fence.
 
 Must not pop rings, look at processes, sleep or take a lock: its callers
-(EngineCore's calls, hicache_mp.draining, hicache_mp.supervisor,
-hicache_mp.closing, the in-process baselines) hold the engine's lock. It
+(EngineCore's calls, hicache_mp.engine.draining, hicache_mp.engine.supervisor,
+hicache_mp.engine.closing, the in-process baselines) hold the engine's lock. It
 touches the index only to keep it true (a page written is added, a read
 miss heals it).
 
@@ -186,13 +186,13 @@ class OpLedger:
         """A drain's page completions (records, probes already taken out), in
         landed order: numbered in the engine-wide order and counted as worker
         completions; per op, in bulk (`apply_many`) from `batch_min` pages
-        (hicache_mp.engine.BATCH_APPLY_MIN), else page by page."""
+        (hicache_mp.engine.prefetch.BATCH_APPLY_MIN), else page by page."""
         n = len(recs)
         # One worker's completions in the order it did them: that order is the
         # engine-wide landed order (Op.landed_seq), also across ops.
         seq0 = self._seq
         self._seq += n
-        self._worker_pages += n  # what a wake-up target counts (hicache_mp.waiters, note 1)
+        self._worker_pages += n  # what a wake-up target counts (hicache_mp.engine.waiters, note 1)
         op_ids = recs["op_id"]
         if n < batch_min:
             groups = [(None, None)]

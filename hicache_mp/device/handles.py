@@ -13,8 +13,8 @@ import numpy as np
 
 from workers.timing import BACKOFF_S, DEVICE_WAIT_SLICE_S
 
-from .device_cuda import DONE
-from .ops import Op
+from ..engine.ops import Op
+from .cuda import DONE
 
 
 class LoadHandle:

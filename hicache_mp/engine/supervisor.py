@@ -54,7 +54,7 @@ log = logging.getLogger("hicache_mp")
 @dataclass(eq=False, repr=False)
 class Supervisor:
     """Watches `pool` and `evictor` for an engine: a lost worker's pages are
-    settled in `ledger` (hicache_mp.ledger) under `lock`, the engine's;
+    settled in `ledger` (hicache_mp.engine.ledger) under `lock`, the engine's;
     `drain_ring` applies what a worker finished before it was lost, and
     `rescan` starts a rescan of the store off this thread."""
 

@@ -4,8 +4,8 @@ Owns popping each ring, joining what the rings held into one drain, telling
 probe answers (to discovery and the index) from page completions, the evict
 ring (the index forgets those pages) and the lazy poll's question "may the
 rings hold what someone waits for?". Must not decide what a completion means
-for an op or a slot, nor number it: the ledger does (hicache_mp.ledger,
-`settle`); nor look at processes (hicache_mp.supervisor). It holds the
+for an op or a slot, nor number it: the ledger does (hicache_mp.engine.ledger,
+`settle`); nor look at processes (hicache_mp.engine.supervisor). It holds the
 ledger, the discovery table and the index it feeds, never the engine.
 
 Runs inside poll() on the scheduler's thread, under the engine's lock: a
@@ -47,7 +47,7 @@ class Draining:
     def rings(self, batch_min: int) -> int:
         """Every worker's completion ring with something in it, then the evict
         ring (those pages are gone: the index forgets them); completions
-        applied. `batch_min`: hicache_mp.engine.BATCH_APPLY_MIN.
+        applied. `batch_min`: hicache_mp.engine.prefetch.BATCH_APPLY_MIN.
 
         The rings are popped first and their records applied as one drain
         (decision 87): a step of a loaded engine finds a page or two on each of

@@ -8,7 +8,7 @@ operator's override (HICACHE_MP_NODE_CORES), and the throttle counters of
 the cgroup whose quota binds (`cpu.stat`: `ThrottleWatch`). Every path is
 read under a `root` prefix, so a test can lay a cgroup tree in a directory.
 Must not write any cgroup file, start processes or decide worker counts
-(hicache_mp.nodebudget does, from `CpuBudget.cpus`).
+(hicache_mp.engine.nodebudget does, from `CpuBudget.cpus`).
 
 The rule (decision 89): CPUs = min(host cores, affinity, floor(quota)),
 at least 1. Go 1.25's runtime and the JVM take min(affinity, ceil(quota));
@@ -58,7 +58,7 @@ class CpuBudget:
     def scope(self) -> str:
         """Which engines share this budget: those under one quota, or with one
         affinity mask, or the whole host. Engines of two pods with quotas of their
-        own count against each other only for the host's cores (hicache_mp.nodebudget)."""
+        own count against each other only for the host's cores (hicache_mp.engine.nodebudget)."""
         if self.quota is not None:
             st = _stat(self.quota.directory)
             return f"cg{self.quota.version}:{st[0]}:{st[1]}" if st else f"cg:{self.quota.directory}"

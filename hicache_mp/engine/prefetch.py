@@ -16,20 +16,20 @@
                               budget end DROPPED at once; workers write
                               temp + rename (O_DIRECT when the store allows)
     close()               ──► pool shutdown protocol, unlink every segment
-                              (hicache_mp.closing, then engine_build.release)
+                              (hicache_mp.engine.closing, then resources.release)
 
     with storage limits:      EvictorProcess (workers.evictor) keeps the store
                               under them; poll() pops its evict ring and the
                               index forgets those pages
 
 Owns the public `mp` engine and its I/O backend, `WorkerIO`
-(hicache_mp.iobackend's protocol): the wiring of its parts, each a module of
-one job: engine_build (resources, made at start and released at close),
+(hicache_mp.engine.iobackend's protocol): the wiring of its parts, each a module of
+one job: resources (made at start and released at close),
 striping (records, which worker gets which share), draining (rings into the
 books), supervisor (health, watchdog, fences, respawns) and waiters (the
 wake-up protocol, its numbered note); each is handed the ledger
-(hicache_mp.ledger: ops, slot reservations, pins, counts), the lock and what
-it serves, never the engine. EngineCore (hicache_mp.core) keeps input checks,
+(hicache_mp.engine.ledger: ops, slot reservations, pins, counts), the lock and what
+it serves, never the engine. EngineCore (hicache_mp.engine.core) keeps input checks,
 the index, waits, metrics, and calls WorkerIO through the protocol. Must
 not grow a job of its own here: each WorkerIO call only hands over to a part.
 
@@ -41,7 +41,7 @@ The scheduler never blocks and never touches page bytes here. Every segment
 and semaphore is named ``hicache_mp.<pid>.<random>.*`` and unlinked by
 `close()`, by the finaliser on garbage collection or interpreter exit, by
 orphaned workers when this process dies, and by `clean_stale()` at the next
-start otherwise. Failure states: hicache_mp.supervisor.
+start otherwise. Failure states: hicache_mp.engine.supervisor.
 """
 import os
 import time
@@ -52,14 +52,14 @@ from workers import status as st
 from workers.control import BUSY_NS, BYTES, PAGES, STOP
 from workers.timing import ABANDON_GRACE_S, HEALTH_CHECK_S, TARGET_CAP_S  # noqa: F401 (API)
 
-from . import engine_build
+from . import resources
 from .cpubudget import ThrottleWatch
 from .config import EngineConfig
 from .core import EngineCore, check_timeout
 from .draining import Draining
-from .engine_build import shm_bytes  # noqa: F401 (API: hicache_mp.engine.shm_bytes)
 from .iobackend import IOContext
 from .ops import Op
+from .resources import shm_bytes  # noqa: F401 (API: hicache_mp.engine.shm_bytes)
 from .striping import Striping
 from .supervisor import Supervisor
 from .waiters import Waiters
@@ -96,7 +96,7 @@ class PrefetchEngine(EngineCore):
         `aux_workers`: this engine is an auxiliary of another in this process
         (a hybrid model's sidecar pool): with auto workers it takes at most
         this many from the node's budget and counts as no scheduler there
-        (hicache_mp.nodebudget).
+        (hicache_mp.engine.nodebudget).
         """
         super().__init__(config, geometry, lambda ctx: WorkerIO(
             ctx, self, pool_fd=pool_fd, pool_parts=pool_parts, aux_workers=aux_workers))
@@ -123,8 +123,8 @@ class PrefetchEngine(EngineCore):
 
 
 class WorkerIO:
-    """The `mp` engine's I/O backend (hicache_mp.iobackend): the resources
-    engine_build makes, and the parts that use them. `owner`: the engine, for
+    """The `mp` engine's I/O backend (hicache_mp.engine.iobackend): what
+    `resources` makes, and the parts that use them. `owner`: the engine, for
     the finaliser alone (segments go when it is collected)."""
 
     name = "mp"
@@ -135,9 +135,9 @@ class WorkerIO:
         self.discovery, self.index, self.ledger = ctx.discovery, ctx.index, ctx.ledger
         self.closed = ctx.closed
         self.lazy_skips = 0  # lazy polls that drained nothing (decision 88)
-        res = self.built = engine_build.build(config, ctx.geometry, ctx.store.roots,
-                                              pool_fd=pool_fd, pool_parts=pool_parts,
-                                              aux_workers=aux_workers)
+        res = self.built = resources.build(config, ctx.geometry, ctx.store.roots,
+                                           pool_fd=pool_fd, pool_parts=pool_parts,
+                                           aux_workers=aux_workers)
         self.host_pool = res.host_pool
         self.control = res.control
         ctx.ledger.share_pins(self.control.pins)  # the evictor reads the same table
@@ -154,10 +154,10 @@ class WorkerIO:
         self.waiters = Waiters(ctx.lock, ctx.ledger, self.drain, ctx.closed, ctx.released,
                                self.control, res.done_sem)
         # The cgroup's throttle counters, read once a second from the drain
-        # (hicache_mp.cpubudget); nothing at all where no quota binds.
+        # (hicache_mp.engine.cpubudget); nothing at all where no quota binds.
         self.throttle = ThrottleWatch(res.cpu_budget, len(self.pool))
         # Segments go even if the caller forgets close() or an exception unwinds.
-        self.finalizer = weakref.finalize(owner, engine_build.release, os.getpid(), self.pool,
+        self.finalizer = weakref.finalize(owner, resources.release, os.getpid(), self.pool,
                                           list(self.segments))
 
     # --- the protocol: each call hands over to one part ------------------------------
@@ -175,7 +175,7 @@ class WorkerIO:
     def probe(self, keys, whole: bool) -> set:
         """Hand probes for `keys` (the first is missing from the index; the
         others too with `whole`) to the workers; the digests still
-        unanswered among them (hicache_mp.discovery)."""
+        unanswered among them (hicache_mp.engine.discovery)."""
         if self.pool.closed or self.pool.broken:
             return set()
         if not self.pool.usable():
@@ -240,9 +240,9 @@ class WorkerIO:
     def release(self) -> None:
         # With the pool: normally closed already (shutdown); not when a
         # close() from a signal handler interrupted that one while it stopped
-        # the workers (hicache_mp.closing), whose rings then go here.
+        # the workers (hicache_mp.engine.closing), whose rings then go here.
         self.finalizer.detach()
-        engine_build.release(os.getpid(), self.pool, self.segments)
+        resources.release(os.getpid(), self.pool, self.segments)
         self.segments = []
 
     def num_workers(self) -> int:

@@ -9,7 +9,7 @@ under a flock on the directory itself, so two engines starting together see
 each other. Must not start processes or touch anything but that directory.
 
 The budget (decision 89): the CPUs this process may keep busy
-(hicache_mp.cpubudget: physical cores, the affinity mask and the cgroup's
+(hicache_mp.engine.cpubudget: physical cores, the affinity mask and the cgroup's
 CPU quota, or HICACHE_MP_NODE_CORES), less `scheduler_cores` per engine for
 its scheduler's process, split evenly over the engines expected to share
 it: the larger of `node_engines` (SGLang's adapter passes its node-local rank
@@ -78,7 +78,7 @@ def node_dir() -> str:
 
 
 def physical_cores() -> int:
-    """The CPUs one process here may keep busy (hicache_mp.cpubudget)."""
+    """The CPUs one process here may keep busy (hicache_mp.engine.cpubudget)."""
     return read_budget().cpus
 
 
@@ -166,7 +166,7 @@ class NodeBudget:
                  cores: int | None = None, aux_cap: int | None = None,
                  budget: CpuBudget | None = None):
         """`cores`: a machine of that many cores, no quota (tests); else `budget`,
-        else this process's (hicache_mp.cpubudget)."""
+        else this process's (hicache_mp.engine.cpubudget)."""
         self.node_dir = where = directory or node_dir()
         self.path = None
         self._fd = -1

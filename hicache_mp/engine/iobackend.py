@@ -1,8 +1,8 @@
 """The I/O backend protocol: what an engine's I/O side does for EngineCore.
 
-Owns the seam between EngineCore (hicache_mp.core: the calls, the books'
+Owns the seam between EngineCore (hicache_mp.engine.core: the calls, the books'
 admission, close()'s order) and whatever moves page bytes: the `mp` worker
-processes (hicache_mp.engine.WorkerIO) or the in-process baselines' threads
+processes (hicache_mp.engine.prefetch.WorkerIO) or the in-process baselines' threads
 (hicache_mp.bench: `file`, `fast_file`). An engine is an EngineCore over one
 IOBackend; the backend is made by EngineCore's __init__ from an IOContext,
 the narrow set of the engine's objects it may use. Must not hold the engine

@@ -5,13 +5,13 @@ the leader that sleeps on the completion semaphore for all, the followers'
 condition, taking a leftover post, the caps on a sleep, waking everyone for
 close(), and the wake-up counters. Must not apply completions itself (it
 calls the drain it was given) nor count sleepers for close()
-(hicache_mp.closing does, around each sleep). It holds the engine's lock,
+(hicache_mp.engine.closing does, around each sleep). It holds the engine's lock,
 the ledger (the count of note 1), the drain and two questions (closed?
 released?), never the engine.
 
 The wake-up protocol. Every participant's comments cite these notes by
 number ("waiters note 4"): this module (the engine's waiters),
-hicache_mp.ledger (the engine's count), workers/worker.py (the post side)
+hicache_mp.engine.ledger (the engine's count), workers/worker.py (the post side)
 and workers/control.py (the words WAKE_AT, WAKE_SEQ, WAITERS, POSTED_SEQ,
 POSTED_NS).
 
@@ -63,7 +63,7 @@ POSTED_NS).
      With no target, NO_TARGET_CAP_S.
   8. Close. close() posts the semaphore for a leader on another thread and
      notifies the followers (`wake_all`), then waits for them to leave
-     (hicache_mp.closing). Once the control block and semaphore are released
+     (hicache_mp.engine.closing). Once the control block and semaphore are released
      (`released()`), nothing here touches them, and a sleep on the closed
      semaphore ends at once (shm.wake).
   9. Waking ahead. Under a busy scheduler a waiter woken by a post runs
@@ -98,7 +98,7 @@ from .ledger import OpLedger
 
 class Waiters:
     """The waiters of one engine: `lock` is its lock, `ledger` its books
-    (hicache_mp.ledger: the count of note 1), `drain` its drain (applies what
+    (hicache_mp.engine.ledger: the count of note 1), `drain` its drain (applies what
     the rings hold; returns the pages applied), `closed` and `released` say
     whether it is closed and whether its control block and semaphore are gone
     (note 8); `control` and `done_sem` are that control block and completion

@@ -3,13 +3,13 @@
 Owns the key namespace, the engine's lock and open/closed flags, starting
 an op (input checks, then the books' admission), cancel, poll, blocking
 waits and metrics; with its mixins, the exists index's calls
-(hicache_mp.lookups), close() (hicache_mp.closing) and process ownership, a
-forked child's refusal (hicache_mp.ownership); the input checks are
-hicache_mp.checks. The books themselves (ops in flight, slots, pins,
+(hicache_mp.engine.lookups), close() (hicache_mp.engine.closing) and process ownership, a
+forked child's refusal (hicache_mp.engine.ownership); the input checks are
+hicache_mp.engine.checks. The books themselves (ops in flight, slots, pins,
 counts, the landed order, the backup budget) are one object,
-hicache_mp.ledger.OpLedger (`_ledger`), changed only through its rules and
+hicache_mp.engine.ledger.OpLedger (`_ledger`), changed only through its rules and
 under the lock. Must not move page bytes: its I/O backend does
-(hicache_mp.iobackend: worker processes for `mp`, hicache_mp.engine; Python
+(hicache_mp.engine.iobackend: worker processes for `mp`, hicache_mp.engine.prefetch; Python
 threads for the `file` and `fast_file` baselines, hicache_mp.bench), made
 from the engine's narrow IOContext and feeding completions back through the
 ledger.
@@ -57,7 +57,7 @@ class EngineCore(IndexLookups, Closing, Ownership):
     def __init__(self, config: EngineConfig, geometry: PageGeometry,
                  make_io: Callable[[IOContext], IOBackend]):
         """`make_io`: makes the engine's I/O backend from what it may use of
-        the engine (hicache_mp.iobackend), last, once the books exist."""
+        the engine (hicache_mp.engine.iobackend), last, once the books exist."""
         if not isinstance(geometry, PageGeometry):
             raise ValueError(f"geometry must be a PageGeometry, got {type(geometry).__name__}")
         check_pool_size(geometry.pool_bytes(config.host_pool_pages))
@@ -77,9 +77,9 @@ class EngineCore(IndexLookups, Closing, Ownership):
                                 self._index)
         self._closed = False
         self._released = False         # segments gone: nothing may touch the pool now
-        self._init_ownership()         # this process's, until a fork (hicache_mp.ownership)
+        self._init_ownership()         # this process's, until a fork (hicache_mp.engine.ownership)
         self._closing = False          # close() is flushing backups: no new work
-        self._init_closing()           # close(), the sleepers (hicache_mp.closing)
+        self._init_closing()           # close(), the sleepers (hicache_mp.engine.closing)
         self._start_ns = time.perf_counter_ns()
         self._last_rescan = time.monotonic()
         self._poll_calls = 0
@@ -104,7 +104,7 @@ class EngineCore(IndexLookups, Closing, Ownership):
     def _closed_during(self, call: str, exc: Exception) -> Exception:
         """What a call raises for `exc`: EngineClosed if the engine was closed
         under it (what the released rings, semaphores and pool raise then is no
-        error of the caller's, hicache_mp.closing), else `exc` itself."""
+        error of the caller's, hicache_mp.engine.closing), else `exc` itself."""
         if isinstance(exc, EngineClosed) or not self._closed:
             return exc
         out = EngineClosed(f"engine was closed during {call}")
@@ -216,7 +216,7 @@ class EngineCore(IndexLookups, Closing, Ownership):
                 if op.done and not self._closed:
                     return True
                 # A slice, then poll again (health, a closed engine); the mp
-                # engine caps each sleep further (hicache_mp.waiters, note 7).
+                # engine caps each sleep further (hicache_mp.engine.waiters, note 7).
                 left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S,
                                                                  deadline - time.monotonic())
                 if left <= 0:
