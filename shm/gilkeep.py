@@ -1,8 +1,9 @@
 """Array steps that keep the GIL: what the scheduler's threads do per batch.
 
-Owns the few numpy operations the engine runs on a caller's thread (record
-building, ring copies, the pin table, duplicate checks), done so that none
-lets the GIL go. Must not sleep, block or do I/O.
+Owns the few numpy operations the engine and its adapters run on a caller's
+thread (record building, ring copies, the pin table, duplicate checks, the
+per-page masks of an SGLang or vLLM batch), done so that none lets the GIL
+go, each written once here. Must not sleep, block or do I/O.
 
 Why: under a scheduler loop that holds the GIL (a pure-Python batch
 builder), a thread that gives the GIL up waits up to a whole switch interval
@@ -128,12 +129,24 @@ def eq(values: np.ndarray, value) -> np.ndarray:
     return out
 
 
-def where(mask: np.ndarray) -> np.ndarray:
-    """np.flatnonzero(mask) as int64, in chunks."""
+def either(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a | b of two bool masks of one length, in chunks."""
+    out = zeros(len(a), bool)
+    for i in range(0, len(a), CHUNK):
+        np.logical_or(a[i:i + CHUNK], b[i:i + CHUNK], out=out[i:i + CHUNK])
+    return out
+
+
+def where(mask: np.ndarray, value: bool = True) -> np.ndarray:
+    """Positions where the bool `mask` is `value` (np.flatnonzero(mask), or
+    of ~mask for False) as int64, in chunks."""
     n = len(mask)
     if n <= CHUNK:
-        return np.flatnonzero(mask).astype(np.int64)
-    return concat([np.flatnonzero(mask[a:a + CHUNK]) + a for a in range(0, n, CHUNK)], np.int64)
+        return np.flatnonzero(mask if value else ~mask).astype(np.int64)
+    if value:
+        return concat([np.flatnonzero(mask[a:a + CHUNK]) + a for a in range(0, n, CHUNK)],
+                      np.int64)
+    return concat([np.flatnonzero(~mask[a:a + CHUNK]) + a for a in range(0, n, CHUNK)], np.int64)
 
 
 def repeats(values) -> bool:

@@ -8,11 +8,13 @@ which another thread ran, on the numpy and Python installed here.
 """
 import time
 
+import numpy as np
 import pytest
 
 import helpers
 from faultkit import workers_counted
 from hicache_mp.bench.giltrace import released_in
+from shm import gilkeep
 
 N = 128          # SGLang's STORAGE_BATCH_SIZE
 KEYS = 2000      # a long request's key list, asked about at once
@@ -82,3 +84,24 @@ def test_submit_drain_and_ask_keep_the_gil(eng):
     present, found = released_in(eng.present, keys)
     assert not found, f"present() over {KEYS} keys let the GIL go: {found}"
     assert present[:2 * N].all() and not present[2 * N:].any()
+
+
+def test_the_adapters_mask_steps_match_numpy_and_keep_the_gil():
+    """shm.gilkeep's mask steps, which SGLang's and vLLM's adapters run per
+    batch: numpy's answers at every size around a chunk, the GIL held over
+    a long request's batch."""
+    rng = np.random.default_rng(0)
+    for n in (0, 1, gilkeep.CHUNK - 1, gilkeep.CHUNK, gilkeep.CHUNK + 1, KEYS):
+        a, b = rng.random(n) < 0.5, rng.random(n) < 0.5
+        status = rng.integers(0, 3, n).astype(np.uint8)
+        assert np.array_equal(gilkeep.either(a, b), a | b)
+        for value, want in ((True, np.flatnonzero(a)), (False, np.flatnonzero(~a))):
+            got = gilkeep.where(a, value)
+            assert got.dtype == np.int64 and np.array_equal(got, want), (n, value)
+        assert np.array_equal(gilkeep.eq(status, 1), status == 1)
+
+    def steps():
+        return (gilkeep.either(a, b), gilkeep.where(a), gilkeep.where(a, False),
+                gilkeep.eq(status, 1))
+    _, found = released_in(steps)
+    assert not found, f"a mask step over {KEYS} pages let the GIL go: {found}"

@@ -21,7 +21,6 @@ OPTIONAL = {"hicache_mp.integrations.sglang.backend": "needs SGLang",
             "hicache_mp.integrations.vllm.api": "needs vLLM",
             "hicache_mp.integrations.vllm.tier": "needs vLLM",
             "hicache_mp.integrations.vllm.lookup": "needs vLLM",
-            "hicache_mp.integrations.vllm.masks": "needs vLLM",
             "hicache_mp.bench.sglang.nobytes": "needs SGLang"}
 
 # Every import of a project module inside a function, and why it is there.

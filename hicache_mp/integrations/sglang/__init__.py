@@ -8,7 +8,7 @@
     backend          HiCacheMP: SGLang's calls -> the engine's (imports SGLang)
     pools            the KV host pool's geometry and zero-copy plan
     staging          the KV staging path (no memfd, token-major layouts, legacy calls)
-    indices          host indices -> page numbers, per-page masks (GIL kept)
+    indices          host indices -> page numbers (GIL kept)
     hybrid           v2: a hybrid model's sidecar pools, batch get/set
     hits             v2: batch_exists_v2's hit policies
     sidecar          v2: one sidecar pool's engine and page moves

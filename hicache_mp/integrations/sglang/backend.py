@@ -44,14 +44,15 @@ import torch
 
 from shm import PageGeometry, gilkeep
 from shm.segment import SHM_SIZE_FIX, ShmFullError
+from workers import status as st
 from workers.stores import open_store
 
-from ...engine.config import EngineConfig
 from ...engine import PrefetchEngine
+from ...engine.config import EngineConfig
 from ..common import CallStats, check_known, engine_config, leading, model_identity, \
     own_settings, wait_or_abandon
 from .hybrid import HybridPools, SidecarRefused
-from .indices import all_ok, host_pages, missing
+from .indices import host_pages
 from .names import SGLangShard
 from .pools import HOW_TO_ZERO_COPY, pool_geometry, zero_copy_plan
 from .settings import AdapterConfig, known_keys, storage_dir
@@ -137,7 +138,7 @@ def unwritten(eng: PrefetchEngine, keys, pages):
     ok = eng.present(keys)
     if 0 not in ok.tobytes():
         return ok, None, None, None
-    todo = missing(ok)
+    todo = gilkeep.where(ok, False)
     if len(todo) == len(keys):
         return ok, todo, keys, pages
     return ok, todo, [keys[i] for i in todo.tolist()], gilkeep.take(pages, todo)
@@ -312,7 +313,7 @@ class HiCacheMP(HiCacheStorage):
         if todo is None:
             return eng, None, lambda: self._wrote(ok, None, None, t0)
         op = eng.backup(tkeys, tpages)
-        return eng, op, lambda: self._wrote(ok, todo, all_ok(op.page_status), t0)
+        return eng, op, lambda: self._wrote(ok, todo, gilkeep.eq(op.page_status, st.OK), t0)
 
     def finish(self, eng, op, answer) -> list[bool]:
         """Wait for a started batch (abandoning it past io_timeout_s), then answer."""

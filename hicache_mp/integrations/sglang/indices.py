@@ -1,11 +1,12 @@
-"""SGLang's host indices as page numbers, and the per-page masks of a batch, GIL held.
+"""SGLang's host indices as page numbers, GIL held.
 
 Owns the index steps every SGLang storage call makes on SGLang's threads (v1's
 KV batches, v2's sidecar batches): host indices to each page's first index and
-page number, the positions still to write, the pages that landed. They keep
-the GIL (shm.gilkeep's rules): chunks of gilkeep.CHUNK, bytes compares instead
-of reductions, no `.cpu()` of a CPU tensor. Must not call the engine or torch
-beyond viewing a tensor.
+page number. They keep the GIL (shm.gilkeep's rules): chunks of
+gilkeep.CHUNK, bytes compares instead of reductions, no `.cpu()` of a CPU
+tensor. The per-page masks of a batch (the positions still to write, the
+pages that landed) are shm.gilkeep's `where` and `eq`, which the vLLM tier
+runs too. Must not call the engine or torch beyond viewing a tensor.
 """
 import ctypes
 
@@ -13,7 +14,6 @@ import numpy as np
 import torch
 
 from shm import gilkeep
-from workers import status as st
 
 
 def as_numpy(indices) -> np.ndarray:
@@ -73,19 +73,4 @@ def host_pages(n: int, host_indices, P: int) -> np.ndarray:
     if not aligned:
         raise ValueError("hicache_mp: a page's host indices do not start on a page boundary")
     return page_index(starts, P)
-
-
-def missing(ok: np.ndarray) -> np.ndarray:
-    """np.flatnonzero(~ok), chunked."""
-    parts = [np.flatnonzero(~ok[a:a + gilkeep.CHUNK]) + a
-             for a in range(0, len(ok), gilkeep.CHUNK)]
-    return gilkeep.concat(parts, np.int64) if len(parts) != 1 else parts[0].astype(np.int64)
-
-
-def all_ok(status: np.ndarray) -> np.ndarray:
-    """status == OK per page, chunked."""
-    out = gilkeep.zeros(len(status), bool)
-    for a in range(0, len(status), gilkeep.CHUNK):
-        out[a:a + gilkeep.CHUNK] = status[a:a + gilkeep.CHUNK] == st.OK
-    return out
 

@@ -23,7 +23,6 @@ from workers import status as st
 
 from ...engine import PrefetchEngine
 from ..common import Slots, leading, wait_or_abandon
-from .indices import all_ok, missing
 
 
 class SidecarPool:
@@ -76,12 +75,12 @@ class SidecarPool:
         ok = self.present(keys, ask=False)
         if 0 not in ok.tobytes():
             return eng, None, lambda: [True] * n
-        todo = missing(ok)
+        todo = gilkeep.where(ok, False)
         op = eng.backup([f"{keys[i]}.{self.name}" for i in todo.tolist()],
                         gilkeep.take(pages, todo))
 
         def answer():
-            gilkeep.set_at(ok, todo, all_ok(op.page_status))
+            gilkeep.set_at(ok, todo, gilkeep.eq(op.page_status, st.OK))
             return ok.tolist()
         return eng, op, answer
 
@@ -116,7 +115,7 @@ class SidecarPool:
     def write(self, keys, index: np.ndarray, timeout_s: float | None) -> list[bool]:
         """Write pages not yet stored; per key whether its page is in the store."""
         ok = self.present(keys, ask=False)
-        todo = missing(ok)
+        todo = gilkeep.where(ok, False)
         index = torch.from_numpy(index)
         pos = 0
         while pos < len(todo):

@@ -25,8 +25,8 @@ from shm import PageGeometry
 from workers import naming
 from workers import status as st
 
-from ...engine.config import EngineConfig
 from ...engine import PrefetchEngine
+from ...engine.config import EngineConfig
 from .layouts import RAW_LAYOUTS, flat_page_view
 from .names import SGLangShard
 

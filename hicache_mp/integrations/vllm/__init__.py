@@ -7,7 +7,8 @@
              configuration: tier.py's docstring, docs/vllm.md)
     api      vLLM's tiering API, imported once, and the version pin
     lookup   Lookups: vLLM's per-step lookups from the engine's index
-    masks    the bool-mask steps on vLLM's scheduler thread (GIL kept)
+
+The bool-mask steps on vLLM's scheduler thread are shm.gilkeep's (GIL kept).
 
 Importing this package imports vLLM and checks its version (an ImportError
 saying which releases are supported otherwise): vLLM's factory loads the

@@ -57,7 +57,6 @@ from ..common import RegionNotShared, check_known, engine_config, engine_key, en
 from .api import JobResult, Locality, LookupResult, Medium, OffloadingEvent, \
     RequestOffloadingContext, SecondaryTierManager, TransferJob
 from .lookup import Lookups
-from .masks import either, equal, where
 
 log = logging.getLogger("hicache_mp.vllm")
 
@@ -189,12 +188,12 @@ class HiCacheMPTier(SecondaryTierManager):
             return
         # Rows already in the store, or named by a store in flight (vLLM may cascade
         # one chunk twice), need no write: settled ok here.
-        skip = either(self.engine.present(ekeys), gilkeep.take(self._busy, rows))
+        skip = gilkeep.either(self.engine.present(ekeys), gilkeep.take(self._busy, rows))
         job = _Job(job_metadata.job_id, False, keys, done_ok=skip)
         if gilkeep.all_(skip):
             self._settle(job)
             return
-        self._start(job, ekeys, rows, where(skip, False) if gilkeep.any_(skip) else None)
+        self._start(job, ekeys, rows, gilkeep.where(skip, False) if gilkeep.any_(skip) else None)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys, ekeys, rows = self._job_input(job_metadata)
@@ -202,7 +201,7 @@ class HiCacheMPTier(SecondaryTierManager):
             return
         busy = gilkeep.take(self._busy, rows)  # never expected: a promotion gets fresh rows
         job = _Job(job_metadata.job_id, True, keys)
-        self._start(job, ekeys, rows, where(busy, False) if gilkeep.any_(busy) else None)
+        self._start(job, ekeys, rows, gilkeep.where(busy, False) if gilkeep.any_(busy) else None)
 
     def _job_input(self, job: TransferJob):
         keys = list(job.keys)
@@ -319,7 +318,7 @@ class HiCacheMPTier(SecondaryTierManager):
         ok = gilkeep.zeros(n, bool) if job.done_ok is None else gilkeep.copy(job.done_ok)
         seconds, moved = None, 0
         if op is not None:
-            landed = equal(op.page_status[job.lo:job.hi], _OK)
+            landed = gilkeep.eq(op.page_status[job.lo:job.hi], _OK)
             if job.pos is None:
                 gilkeep.put_bytes(ok, landed)
             else:
@@ -331,7 +330,7 @@ class HiCacheMPTier(SecondaryTierManager):
             return self._success(job, seconds, nbytes)
         good = None
         if job.load and gilkeep.any_(ok):  # vLLM keeps the rows that landed
-            good = tuple(job.keys[i] for i in where(ok, True).tolist())
+            good = tuple(job.keys[i] for i in gilkeep.where(ok).tolist())
         return JobResult(job_id=job.job_id, success=False, successful_keys=good,
                          transfer_time=seconds, transfer_bytes=nbytes)
 
