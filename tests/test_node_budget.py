@@ -147,3 +147,23 @@ def test_auxiliary_engines_take_from_the_budget_but_are_no_schedulers(node):
         for s in shares:
             s.close()
     assert not os.path.exists(node)
+
+
+def test_a_share_refused_before_registering_leaves_no_entry(node):
+    """The engine's room check runs with the share decided and nothing registered:
+    an engine too large for /dev/shm leaves no entry counting against later ones."""
+    seen = []
+
+    def refuse(workers):
+        seen.append(workers)
+        raise ValueError("does not fit")
+
+    with pytest.raises(ValueError, match="does not fit"):
+        NodeBudget(0, directory=node, cores=16, before_register=refuse)
+    assert seen == [14]
+    assert live_shares(node) == {} and not os.path.exists(node)
+    later = NodeBudget(0, directory=node, cores=16)
+    try:
+        assert later.workers == 14          # not squeezed by the refused engine
+    finally:
+        later.close()

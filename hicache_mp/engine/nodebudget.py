@@ -33,6 +33,7 @@ engine registering after it.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -164,9 +165,11 @@ class NodeBudget:
 
     def __init__(self, node_engines: int = 0, *, directory: str | None = None,
                  cores: int | None = None, aux_cap: int | None = None,
-                 budget: CpuBudget | None = None):
+                 budget: CpuBudget | None = None, before_register=None):
         """`cores`: a machine of that many cores, no quota (tests); else `budget`,
-        else this process's (hicache_mp.engine.cpubudget)."""
+        else this process's (hicache_mp.engine.cpubudget). `before_register(workers)`
+        runs with the share decided and nothing registered yet (the engine's room
+        check): what it raises leaves no entry behind."""
         self.node_dir = where = directory or node_dir()
         self.path = None
         self._fd = -1
@@ -205,6 +208,15 @@ class NodeBudget:
                     if self.workers is None:
                         self.engines = engines
                     self.workers = share if self.workers is None else min(self.workers, share)
+                if before_register is not None:
+                    try:
+                        before_register(self.workers)
+                    except BaseException:
+                        # under the directory's lock, as close() does: the
+                        # directory goes if no other engine is registered
+                        with contextlib.suppress(OSError):
+                            os.rmdir(where)
+                        raise
                 self._register(aux=bool(aux_cap), scope=scope)
                 self.cores = budget.cpus
                 return

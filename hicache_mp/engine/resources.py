@@ -136,22 +136,24 @@ def build(config: EngineConfig, geometry: PageGeometry, roots, *, pool_fd: int |
                     direct_io=direct_io, direct_io_reason=reason)
     share = None
     budget = res.cpu_budget = read_budget()
+
+    def check_room(workers: int) -> None:
+        """Everything this engine puts in /dev/shm, counted before any of it is made."""
+        short = _room_error(config, geometry, workers, config.resolved_ring_capacity(workers),
+                            shared_pool)
+        if short is not None:
+            raise short
+
     if config.num_workers:
         workers = config.num_workers
         _warn_over_budget(workers, budget)
-    else:  # auto: this engine's share of what the process may use (decisions 42, 89)
-        share = NodeBudget(config.node_engines, aux_cap=aux_workers, budget=budget)
+        check_room(workers)
+    else:  # auto: this engine's share of what the process may use (decisions 42, 89);
+        # registered only once its room is checked, so a refusal leaves no entry
+        share = NodeBudget(config.node_engines, aux_cap=aux_workers, budget=budget,
+                           before_register=check_room)
         workers = share.workers
     ring_capacity = config.resolved_ring_capacity(workers)
-    # Everything this engine puts in /dev/shm, counted before any of it is made.
-    try:
-        short = _room_error(config, geometry, workers, ring_capacity, shared_pool)
-        if short is not None:
-            raise short
-    except BaseException:
-        if share is not None:
-            share.close()
-        raise
     if share is not None:  # released last, with the segments
         res.segments.append(share)
     try:
