@@ -153,7 +153,7 @@ class WorkerIO:
                                      self.evictor, self.drain_ring, ctx.rescan)
         self.waiters = Waiters(ctx.lock, ctx.ledger, self.drain, ctx.closed, ctx.released,
                                self.control, res.done_sem)
-        # The cgroup's throttle counters, read once a second from the drain
+        # The cgroup's throttle counters, read at most every 5 s from the drain
         # (hicache_mp.engine.cpubudget); nothing at all where no quota binds.
         self.throttle = ThrottleWatch(res.cpu_budget, len(self.pool))
         # Segments go even if the caller forgets close() or an exception unwinds.
