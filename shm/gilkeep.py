@@ -124,8 +124,8 @@ def eq(values: np.ndarray, value) -> np.ndarray:
     if n <= CHUNK:
         return values == value
     out = zeros(n, bool)
-    for a in range(0, n, CHUNK):
-        out[a:a + CHUNK] = values[a:a + CHUNK] == value
+    for a in range(0, n, CHUNK):  # into `out` itself: no temporary per chunk
+        np.equal(values[a:a + CHUNK], value, out=out[a:a + CHUNK])
     return out
 
 

@@ -56,12 +56,20 @@ class OwnerLock:
         if self._fd < 0:
             return
         fd, self._fd = self._fd, -1
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        finally:
-            os.close(fd)
+        unlink_and_release(fd, self.path)
+
+
+def unlink_and_release(fd: int, path: str) -> None:
+    """Remove a flock'ed file while still holding it, then close it (the lock
+    goes with the descriptor): no other process can take the lock of a file
+    that is still to be removed. A file gone already, or one this user may not
+    remove, is no error."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def same_file(fd: int, path: str) -> bool:

@@ -41,7 +41,7 @@ import secrets
 import stat
 import time
 
-from shm.owner import same_file
+from shm.owner import same_file, unlink_and_release
 
 from .cpubudget import NODE_CORES_ENV, CpuBudget, read_budget  # noqa: F401 (NODE_CORES_ENV: API)
 
@@ -243,11 +243,7 @@ class NodeBudget:
         if self._fd < 0:
             return
         fd, self._fd = self._fd, -1
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass  # gone already; never an error from close
-        os.close(fd)
+        unlink_and_release(fd, self.path)  # never an error from close
         # Under the directory's lock, so no engine is between its look and its
         # registration; rmdir fails while any other engine is registered.
         try:
