@@ -261,21 +261,20 @@ class _SteppedOp:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_engine_owned_loader_advances_from_poll_and_closes_with_engine(store, layout):
+def test_loader_drives_the_engine_from_its_poll_and_closes_with_it(store, layout):
     n = 12
     keys = [f"owned-{i}" for i in range(n)]
     eng = make_engine(store, layout)
     try:
         data = random_pages(eng.geometry, n, seed=5)
         backup(eng, keys, range(n), data)
-        loader = DeviceLoader(eng.host_pool, device="cpu", num_device_pages=16)
-        eng.attach_loader(loader)
+        loader = DeviceLoader(eng.host_pool, device="cpu", num_device_pages=16, engine=eng)
         poison(loader)
         op = eng.prefetch(keys, range(20, 20 + n))
         handle = loader.load(op, list(range(15, 15 - n, -1)))
         assert op.device_event is handle
-        for _ in range(20000):  # only engine.poll(): the engine drives the loader
-            eng.poll()
+        for _ in range(20000):  # only loader.poll(): it polls the engine, then steps
+            loader.poll()
             if handle.done:
                 break
         assert handle.done and handle.pages_loaded == n
@@ -287,9 +286,9 @@ def test_engine_owned_loader_advances_from_poll_and_closes_with_engine(store, la
 
 
 def test_poll_with_nothing_landed_does_not_look_at_the_loads(store):
-    """A scheduler polls far more often than pages land: with the engine driving the
-    loader, a poll after which no page outcome came in costs one compare in the
-    loader, however many loads are in flight; the loads then finish with the bytes."""
+    """A scheduler polls far more often than pages land: a step after which no page
+    outcome came in costs one compare in the loader, however many loads are in
+    flight; the loads then finish with the bytes."""
     import signal
     import time
     n, loads = 4, 64
@@ -297,8 +296,7 @@ def test_poll_with_nothing_landed_does_not_look_at_the_loads(store):
         keys = [f"many-{i}" for i in range(n * loads)]
         data = random_pages(eng.geometry, n * loads, seed=9)
         backup(eng, keys, range(n * loads), data)
-        loader = DeviceLoader(eng.host_pool, device="cpu", num_device_pages=n * loads)
-        eng.attach_loader(loader)
+        loader = DeviceLoader(eng.host_pool, device="cpu", num_device_pages=n * loads, engine=eng)
         poison(loader)
         pids = eng.worker_pids()
         for pid in pids:  # paused: nothing can land while the cost is measured
@@ -320,7 +318,7 @@ def test_poll_with_nothing_landed_does_not_look_at_the_loads(store):
             step = median_ns(loader.step)
             assert not any(h.issued for h in handles)
             # 64 loads: ~40 µs to look at them all on the 2-core box; a step with
-            # nothing new is one compare under the engine's (re-entrant) lock.
+            # nothing new is one compare under the engine's lock.
             assert step * 10 < looking, (step, looking)
         finally:
             for pid in pids:

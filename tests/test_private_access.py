@@ -55,9 +55,6 @@ ALLOWED = {
     ("hicache_mp/bench/sglang/stack.py", "_stop_storage_threads"): "SGLang's cache controller: "
                                                                    "its only stop call",
     # To do: each goes once its owner's work lands (issue 34).
-    ("hicache_mp/device/loader.py", "_lock"): "to do: the DeviceLoader drives the engine, not "
-                                              "the other way round; until then it steps under "
-                                              "its lock",
     ("hicache_mp/flagsdoc.py", "_kind"): "to do: config.py's field-kind helper made public",
     ("hicache_mp/bench/sglang/hybrid_controller.py", "_device"): "to do: bench.sglang.real's "
                                                                  "helper made public",

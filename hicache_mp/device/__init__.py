@@ -9,7 +9,9 @@
 
 Off the SGLang and vLLM paths (each framework moves its own device pages).
 Imports the engine (hicache_mp.engine) and torch; the engine never imports
-this package: it steps and closes a loader it is handed (attach_loader).
+this package. The loader drives the engine (DeviceLoader.poll polls it,
+then steps); the engine only calls the loader's close() first in its own
+close() (engine.on_close), while the pool is still mapped.
 """
 from .loader import DeviceLoader
 

@@ -2,8 +2,8 @@
 
     scheduler loop                         DeviceLoader                       GPU
     --------------                         ------------                       ---
-    engine.poll()  ─► op.completed_pages grows
-    loader.step()  ─► per load handle: pages newly landed ─► load stream: host pool (registered)
+    loader.poll()  ─► engine.poll(): op.completed_pages grows
+                   ─► step(): per load handle: pages newly landed ─► load stream: host pool (registered)
                                                               ─► staging ─► K/V buffers,
                                                               one event per layer
     forward pass   ─► handle.wait_layer(l) ──────────────────► stream waits, host does not
@@ -21,8 +21,10 @@ copies and events that have always completed.
 Must not: do file I/O (the engine's workers do), block the scheduler (`step()`
 only queues asynchronous work), or read a host slot before its op says it
 landed. The caller must not reuse host slots before a load handle is `done`,
-nor hand the loader slots an engine op is still using. Close the loader
-before the engine: the registration must end while the pool is still mapped.
+nor hand the loader slots an engine op is still using. The loader drives
+the engine (poll() polls it, then steps), never the other way round; built
+with `engine=`, it asks the engine to close it first (engine.on_close), as
+its registration must end while the pool is still mapped.
 
 The parts: `buffers` makes the K/V buffers and the views of them and
 of the pool, `copies` queues one batch's copies (and says how bytes
@@ -51,7 +53,9 @@ class DeviceLoader(Copies):
         Either give `num_device_pages` (the loader allocates the K/V buffers as
         one tensor, so page_first scatters take one kernel) or adopt the
         caller's `k_buffers`/`v_buffers` (lists of [tokens, heads, head_dim]).
-        `engine`: needed by store(keys=...) and by handle.wait() on running ops.
+        `engine`: the engine whose pool this is. Needed by poll(),
+        store(keys=...) and handle.wait() on running ops; the engine's close()
+        then closes this loader first.
         `staging_pages`: device staging, in pages, per direction (bounds memory).
         `min_step_pages`: step() waits for this many newly landed pages (or the
         end of the op) before issuing, to trade latency for fewer launches.
@@ -93,6 +97,8 @@ class DeviceLoader(Copies):
             ref.record(self._load_stream)
             ref.synchronize()
             self._clock = (ref, time.perf_counter_ns())
+        if engine is not None:
+            engine.on_close(self.close)
 
     # --- public API ---------------------------------------------------------
     @property
@@ -153,13 +159,22 @@ class DeviceLoader(Copies):
             self._submit_backups()
         return h
 
+    def poll(self, lazy: bool = False) -> int:
+        """The scheduler loop's one call: the engine's poll(), then step().
+        Returns what engine.poll() returns. Needs a loader built with engine=."""
+        if self.engine is None:
+            raise ValueError("DeviceLoader.poll() needs a loader built with engine=")
+        n = self.engine.poll(lazy)
+        self.step()
+        return n
+
     def step(self) -> int:
         """Issue copies for newly landed pages; submit backups whose copies finished.
 
         Non-blocking and cheap when there is nothing to do: call it every
-        scheduler loop, after engine.poll() (an attached engine's poll() calls
-        it, and then a step after which no page landed costs one compare,
-        however many loads are in flight). Returns the pages issued.
+        scheduler loop, after engine.poll() (or call poll(), which does both).
+        With engine=, a step after which no page landed costs one compare,
+        however many loads are in flight. Returns the pages issued.
         """
         if self._closed:
             return 0
@@ -205,22 +220,15 @@ class DeviceLoader(Copies):
 
     # --- loads --------------------------------------------------------------
     def _step_loads(self) -> int:
-        eng = self.engine
-        if eng is None or getattr(eng, "loader", None) is not self:
+        if self.engine is None:
             return self._advance_all()
-        # Driven by the engine's poll() (attach_loader): every page outcome the
-        # engine applies to an op bumps its completion count
-        # (EngineCore.outcomes_applied, hicache_mp.engine.ledger), always under its
-        # lock, which poll() holds here. With no outcome since the last look, no load has a page to issue or has
-        # ended: one compare, however many loads are in flight (a scheduler
-        # polls far more often than pages land; decision 83).
-        with eng._lock:
-            seq = eng.outcomes_applied()
-            if seq == self._looked_at:
-                return 0
-            n = self._advance_all()
-            self._looked_at = seq
-            return n
+        # Every page outcome the engine applies to an op bumps its count
+        # (hicache_mp.engine.ledger). With no outcome since the last look, no
+        # load has a page to issue or has ended: one compare, however many
+        # loads are in flight (a scheduler polls far more often than pages
+        # land; decision 83). The engine makes the look under its lock.
+        self._looked_at, n = self.engine.if_outcomes_since(self._looked_at, self._advance_all)
+        return n or 0
 
     def _advance_all(self) -> int:
         n = 0

@@ -228,8 +228,8 @@ class Closing:
             self._closed = True
             try:
                 try:
-                    if self.loader is not None:
-                        self.loader.close()
+                    for fn in self._before_unmap:   # on_close(): the pool is still mapped
+                        fn()
                     self._io.shutdown()
                 except Exception as exc:
                     if not self._released:  # else a nested close() released it under us

@@ -83,7 +83,7 @@ class EngineCore(IndexLookups, Closing, Ownership):
         self._start_ns = time.perf_counter_ns()
         self._last_rescan = time.monotonic()
         self._poll_calls = 0
-        self.loader = None
+        self._before_unmap = []      # on_close(): called first in close(), pool still mapped
         self._discovery = Discovery()
         self._io = make_io(IOContext(
             config=config, geometry=geometry, namespace=self.namespace, store=self._store,
@@ -169,14 +169,16 @@ class EngineCore(IndexLookups, Closing, Ownership):
         self.cancel(op)
         self.wait(op)  # in-process I/O checks the cancel flag before each page
 
-    def attach_loader(self, loader) -> None:
-        """Own a DeviceLoader: `poll()` then also advances its GPU copies, and
-        `close()` closes it first (its CUDA registration must end while the
-        pool is still mapped). `op.device_event` is the op's load handle."""
+    def on_close(self, fn) -> None:
+        """Call `fn()` first in `close()`, while the host pool is still mapped:
+        for what holds a view of the pool that must end before it goes (a
+        DeviceLoader's CUDA registration). The engine knows nothing else of
+        it: the loader drives the engine (DeviceLoader.poll), not the other
+        way round (issue 34)."""
         if self._forked:
             self._refuse_in_child()
-        loader.engine = self
-        self.loader = loader
+        with self._lock:
+            self._before_unmap.append(fn)
 
     def poll(self, lazy: bool = False) -> int:
         """Apply finished pages to their ops. Cheap and non-blocking: call every
@@ -187,8 +189,6 @@ class EngineCore(IndexLookups, Closing, Ownership):
             with self._lock:
                 self._poll_calls += 1
                 n = self._io.drain(lazy)
-                if self.loader is not None:
-                    self.loader.step()
                 if self.config.rescan_interval_s and \
                         time.monotonic() - self._last_rescan > self.config.rescan_interval_s:
                     self._start_rescan()
@@ -261,8 +261,23 @@ class EngineCore(IndexLookups, Closing, Ownership):
 
     def outcomes_applied(self) -> int:
         """Page outcomes applied to ops so far, engine-wide: moves whenever any
-        op advances (an attached DeviceLoader's one compare per poll)."""
+        op advances or ends."""
         return self._ledger.seq
+
+    def if_outcomes_since(self, seen: int | None, fn):
+        """`(count, fn())` if page outcomes were applied since the count
+        `seen`, else `(seen, None)`; under the engine's lock, so what `fn`
+        reads of the ops (completed_pages, done) is at least what the count
+        says. A caller that follows ops' progress (DeviceLoader.step) looks
+        at them only when something moved: one compare per scheduler step,
+        however many are in flight (decision 83). The ledger bumps the count
+        before it applies a batch, so a look outside the lock could take the
+        new count with the old pages and never look again."""
+        with self._lock:
+            seq = self._ledger.seq
+            if seq == seen:
+                return seen, None
+            return seq, fn()
 
     # --- shared bookkeeping -------------------------------------------------
     def _start(self, kind, keys, host_pages, policy, timeout_s) -> Op:

@@ -302,7 +302,7 @@ class Bench:
         self.log(line)
 
     def _loader(self, engine):
-        """A DeviceLoader owned by the engine (closed with it), or None."""
+        """A DeviceLoader over the engine (closed with it), or None."""
         mode = self.cfg.device_load
         if mode == "off":
             return None
@@ -310,8 +310,7 @@ class Bench:
         if mode == "auto" and not torch.cuda.is_available():
             return None
         from hicache_mp.device import DeviceLoader
-        loader = DeviceLoader(engine.host_pool, num_device_pages=self.pool_pages)
-        engine.attach_loader(loader)
+        loader = DeviceLoader(engine.host_pool, num_device_pages=self.pool_pages, engine=engine)
         # One page through the copy path before the clock starts: its staging
         # buffer, the first launch of each copy kernel (CUDA loads them lazily)
         # and the stream are start-up, not part of the first request's load.

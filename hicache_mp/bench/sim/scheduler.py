@@ -173,13 +173,13 @@ class Scheduler(Batches):
                     q.op = eng.prefetch(q.keys[:hit], slots, policy=cfg.policy,
                                         timeout_s=cfg.timeout_s)
                     if dev is not None:
-                        # Copies start as pages land (engine.poll() drives the loader).
+                        # Copies start as pages land (the loader's poll() below).
                         q.dev, q.h2d = dev, self.loader.load(q.op, dev)
                     self.prefetching.append(q)
                 else:
                     self.ready.append(q)
             # 3. check_hicache_events, then check_prefetch_progress per waiting request
-            eng.poll()
+            (self.loader or eng).poll()   # a loader polls the engine, then steps
             if self.prefetching:
                 self._check_prefetches(now_ns)
             if self.h2d_pending:
