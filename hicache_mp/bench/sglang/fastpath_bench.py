@@ -302,9 +302,19 @@ def main(argv=None) -> dict:
     args = parse(argv)
     sgl = R.import_stack()
     res = {"args": {k: v for k, v in vars(args).items() if k != "mp_key"}}
+    def save(part: str) -> None:
+        # Each part is written as it ends, so a run cut short by a time
+        # limit still leaves what it measured.
+        print(f"fastpath bench: {part} done", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+
     with tempfile.TemporaryDirectory(dir=args.store, prefix="hicache_mp-fastpath-") as root:
         res["dense"] = dense(sgl, args, root) if args.backends else {}
+        save("dense")
         res["hybrid"] = hybrid(args, root) if args.geometries else {}
+        save("hybrid")
         if args.trace:
             res["trace"] = trace(sgl, args, root)
     print("| stack | variant | idle ms | busy ms | busy ÷ idle | wrong pages |")
