@@ -86,7 +86,7 @@ def _values(f) -> str:
     s: config.Setting = f.metadata["setting"]
     if s.choices is not None:
         return ", ".join(f"`{c}`" for c in s.choices)
-    kind = config._kind(f)
+    kind = config.field_kind(f)
     if kind is bool:
         return "boolean"
     parts = []
@@ -107,7 +107,7 @@ def table(cls) -> str:
     rows = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for f in config.settings(cls):
         s: config.Setting = f.metadata["setting"]
-        cells = (f"`{f.name}`", config._kind(f).__name__, _default(f), _values(f),
+        cells = (f"`{f.name}`", config.field_kind(f).__name__, _default(f), _values(f),
                  f"`{s.flag}`" if s.flag else "–", f"`{f.name}`" if s.sglang else "–", s.help)
         rows.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(rows) + "\n"

@@ -54,11 +54,6 @@ ALLOWED = {
     ("hicache_mp/bench/vllm/tier.py", "_inflight_jobs"): "vLLM's writer pool: no public count",
     ("hicache_mp/bench/sglang/stack.py", "_stop_storage_threads"): "SGLang's cache controller: "
                                                                    "its only stop call",
-    # To do: each goes once its owner's work lands (issue 34).
-    ("hicache_mp/flagsdoc.py", "_kind"): "to do: config.py's field-kind helper made public",
-    ("hicache_mp/bench/sglang/hybrid_controller.py", "_device"): "to do: bench.sglang.real's "
-                                                                 "helper made public",
-    ("hicache_mp/bench/sglang/real_hybrid.py", "_device"): "to do: as above",
 }
 
 

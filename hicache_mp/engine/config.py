@@ -230,7 +230,7 @@ def parse_value(f, value):
     value is a ValueError that names the field.
     """
     s: Setting = f.metadata["setting"]
-    name, kind = f.name, _kind(f)
+    name, kind = f.name, field_kind(f)
     try:
         if kind is bool:
             value = parse_bool(value)
@@ -347,7 +347,7 @@ def sglang_options(mapping: dict, cls=None) -> dict:
     return {k: v for k, v in mapping.items() if k in keys}
 
 
-def _kind(f):
+def field_kind(f):
     """The field's type, also where annotations are strings (PEP 563 modules)."""
     return _TYPES.get(f.type, f.type) if isinstance(f.type, str) else f.type
 
@@ -356,7 +356,7 @@ _TYPES = {"bool": bool, "int": int, "float": float, "str": str}
 
 
 def _metavar(f):
-    return "{true,false}" if _kind(f) is bool else None
+    return "{true,false}" if field_kind(f) is bool else None
 
 
 def _flag_type(f):
@@ -365,5 +365,5 @@ def _flag_type(f):
             return parse_value(f, text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
-    parse.__name__ = _kind(f).__name__  # argparse names the type in its errors
+    parse.__name__ = field_kind(f).__name__  # argparse names the type in its errors
     return parse

@@ -67,7 +67,7 @@ def build(pools, g: dict, *, backend: str, extra: dict, model: str, tp_rank: int
 
     sglang_real.set_parallel(tp_rank, tp_size)
     full_map, side_map, top = layer_mappings(g)
-    device_pool = pools.device or sglang_real.DevicePool(g["layers"], sglang_real._device())
+    device_pool = pools.device or sglang_real.DevicePool(g["layers"], sglang_real.default_device())
     entries = [build_pool_entry(name=PoolName.KV, host_pool=pools.kv, device_pool=device_pool,
                                 layer_mapping=full_map, transfer_layer_id_max=top,
                                 is_anchor=True)]

@@ -153,7 +153,7 @@ class DevicePool:
         self.layer_transfer_counter = counter
 
 
-def _device() -> str:
+def default_device() -> str:
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -164,7 +164,7 @@ def mha_host_pool(sgl, *, layers, heads, head_dim, page_size, pages, layout="lay
     built from a one-page device buffer description (SGLang 0.5.23 signature)."""
     import torch
     dtype = dtype or torch.bfloat16
-    device = device or _device()
+    device = device or default_device()
     dev_tokens = page_size
     k = tuple(torch.zeros(dev_tokens, heads, head_dim, dtype=dtype, device=device)
               for _ in range(layers))
@@ -194,7 +194,7 @@ def controller(sgl, host_pool, *, backend: str, extra: dict | None, model="hicac
     """A real HiCacheController with its storage threads running on `backend`."""
     import threading
     set_parallel(tp_rank, tp_size)
-    dev = DevicePool(host_pool.layer_num, _device())
+    dev = DevicePool(host_pool.layer_num, default_device())
     return sgl.HiCacheController(
         dev, host_pool, host_pool.page_size, tp_group=None, load_cache_event=threading.Event(),
         io_backend="direct", storage_backend=backend, prefetch_threshold=host_pool.page_size,

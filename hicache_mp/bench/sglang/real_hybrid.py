@@ -45,7 +45,7 @@ def _ptrs(tensors, device="cpu"):
 
 
 def _dev(device):
-    return device or sglang_real._device()
+    return device or sglang_real.default_device()
 
 
 def mha_pool(S, *, layout, layers=2, heads=2, head_dim=16, page_size=4, tokens=32,
@@ -215,7 +215,7 @@ def hybrid_pools(S, g: dict, *, kv_pages: int, prefixes: int) -> SimpleNamespace
                           tokens=tokens, rank=g["rank"], rope=g["rope"])
         out.device = dsa_device_pool(layers=g["layers"], page_size=P,
                                      bytes_per_token=g["indexer_bytes"],
-                                     device=sglang_real._device())
+                                     device=sglang_real.default_device())
         out.indexer = dsa_indexer_pool(S, out.kv, bytes_per_token=g["indexer_bytes"],
                                        device_pool=out.device)
     else:
