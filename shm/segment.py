@@ -89,19 +89,21 @@ class ShmFullError(OSError, ValueError):
 
 def shm_free_bytes() -> int | None:
     """Bytes free in /dev/shm, or None where there is none (another platform)."""
-    try:
-        vfs = os.statvfs(SHM_DIR)
-    except OSError:
-        return None
-    return vfs.f_bavail * vfs.f_frsize
+    vfs = _shm_statvfs()
+    return None if vfs is None else vfs.f_bavail * vfs.f_frsize
 
 
 def shm_total_bytes() -> int | None:
+    """The size of /dev/shm, or None where there is none."""
+    vfs = _shm_statvfs()
+    return None if vfs is None else vfs.f_blocks * vfs.f_frsize
+
+
+def _shm_statvfs():
     try:
-        vfs = os.statvfs(SHM_DIR)
+        return os.statvfs(SHM_DIR)
     except OSError:
         return None
-    return vfs.f_blocks * vfs.f_frsize
 
 
 def check_room(parts, what: str, fixes=(SHM_SIZE_FIX,)) -> None:

@@ -34,12 +34,8 @@ class Draining:
 
     def __init__(self, ledger: OpLedger, discovery: Discovery, index: StoreIndex, pool, control,
                  evictor):
-        self.ledger = ledger
-        self.discovery = discovery
-        self.index = index
-        self.pool = pool
-        self.control = control
-        self.evictor = evictor
+        self.ledger, self.discovery, self.index = ledger, discovery, index
+        self.pool, self.control, self.evictor = pool, control, evictor
         # a worker whose completion ring is full waits for a drain: a lazy poll
         # drains from half a ring (every ring has the same capacity)
         self.half_ring = pool.workers[0].completion_ring.capacity // 2

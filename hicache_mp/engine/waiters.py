@@ -106,13 +106,9 @@ class Waiters:
 
     def __init__(self, lock, ledger: OpLedger, drain: Callable[[], int],
                  closed: Callable[[], bool], released: Callable[[], bool], control, done_sem):
-        self.lock = lock
-        self.ledger = ledger
-        self.drain = drain
-        self.closed = closed
-        self.released = released
-        self.control = control
-        self.done_sem = done_sem
+        self.lock, self.ledger, self.drain = lock, ledger, drain
+        self.closed, self.released = closed, released
+        self.control, self.done_sem = control, done_sem
         self.targets: list = []  # wake-up target of each thread in wait(); 0: none (note 2)
         self.leader = None       # the thread that sleeps on done_sem for all (note 5)
         self.woken = threading.Condition(lock)

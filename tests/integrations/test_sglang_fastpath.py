@@ -306,7 +306,8 @@ def test_install_applies_and_refuses():
         [f"replaced sglang.srt.managers.cache_controller.HiCacheController.{m}" for m in
          ("_page_transfer", "prefetch_io_aux_func", "prefetch_sync_thread_func",
           "_sync_prefetch_hit_query", "_reduce_prefetch_ack")] +
-        ["added sglang.srt.managers.cache_controller.HiCacheController._publish_prefetch_ack"] +
+        [f"added sglang.srt.managers.cache_controller.HiCacheController.{m}" for m in
+         ("_publish_prefetch_ack", "_min_across_ranks")] +
         [f"replaced sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller."
          f"HybridCacheController.{m}" for m in
          ("_page_transfer_sidecar", "_sync_prefetch_hit_query", "_reduce_prefetch_ack",

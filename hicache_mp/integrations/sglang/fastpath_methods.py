@@ -125,27 +125,24 @@ class HiCacheControllerMethods:
         if not self.prefetch_hits_sync_groups:
             # No other rank to agree with: the local count is the verdict.
             return storage_hit_count
-        hit_count = torch.tensor(storage_hit_count, dtype=torch.int)
-        self._all_reduce(
-            hit_count,
-            torch.distributed.ReduceOp.MIN,
-            self.prefetch_hits_sync_groups,
+        return int(
+            self._min_across_ranks(storage_hit_count, self.prefetch_hits_sync_groups)
         )
-        return int(hit_count.tolist())
 
     def _reduce_prefetch_ack(self, ack: PrefetchAck) -> None:
         """Synchronize all ranks to agree on a PrefetchAck."""
         if ack.completed_tokens is not None and self.prefetch_completion_sync_groups:
             # Determine the minimal successful prefix of tokens.
-            completed_tokens_tensor = torch.tensor(
-                ack.completed_tokens, dtype=torch.int
+            ack.completed_tokens = self._min_across_ranks(
+                ack.completed_tokens, self.prefetch_completion_sync_groups
             )
-            self._all_reduce(
-                completed_tokens_tensor,
-                torch.distributed.ReduceOp.MIN,
-                self.prefetch_completion_sync_groups,
-            )
-            ack.completed_tokens = completed_tokens_tensor.tolist()
+
+    def _min_across_ranks(self, values, groups):
+        """MIN of `values` (an int, or a list of ints) over `groups`, read back
+        with one tolist(): every caller's collective, in one place."""
+        packed = torch.tensor(values, dtype=torch.int)
+        self._all_reduce(packed, torch.distributed.ReduceOp.MIN, groups)
+        return packed.tolist()
 
 
 class HybridCacheControllerMethods:
@@ -242,13 +239,7 @@ class HybridCacheControllerMethods:
         if self.prefetch_hits_sync_groups:
             # No tensor where no other rank must agree: making one cost this
             # thread a GIL hand-off under a busy scheduler.
-            packed = torch.tensor(reduced, dtype=torch.int)
-            self._all_reduce(
-                packed,
-                torch.distributed.ReduceOp.MIN,
-                self.prefetch_hits_sync_groups,
-            )
-            reduced = packed.tolist()
+            reduced = self._min_across_ranks(reduced, self.prefetch_hits_sync_groups)
         operation.query_pool_hit_pages = {
             pool: pages
             for pool, pages in zip(pools, reduced[len(hits) :], strict=True)
@@ -269,14 +260,8 @@ class HybridCacheControllerMethods:
             # On prefetch failure, pool_hits may be empty dict.
             hits = [ack.pool_hits.get(pool.value, 0) for pool in PoolName]
             if self.prefetch_completion_sync_groups:
-                packed = torch.tensor(hits, dtype=torch.int)
-                self._all_reduce(
-                    packed,
-                    torch.distributed.ReduceOp.MIN,
-                    self.prefetch_completion_sync_groups,
-                )
                 # One tolist() for every pool, not one Tensor.item() per pool.
-                hits = packed.tolist()
+                hits = self._min_across_ranks(hits, self.prefetch_completion_sync_groups)
             for pool, pages in zip(PoolName, hits):
                 ack.pool_hits[pool.value] = pages
 
