@@ -16,6 +16,7 @@ Each figure is read from whichever of the names a tree's bench used; a run
 with no JSON (timed out, failed) shows as "-".
 Usage: python3 scripts/device/before_after_summary.py DIR prefetch|stack|vllm
 """
+import argparse
 import glob
 import json
 import os
@@ -88,8 +89,12 @@ def fmt(v) -> str:
     return str(v)
 
 
-def main(argv) -> int:
-    root, what = argv[1], argv[2]
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir", help="the OUTDIR device_before_after.sh wrote its runs into")
+    ap.add_argument("what", choices=sorted(READ), help="which benchmark's runs to read")
+    args = ap.parse_args(argv)
+    root, what = args.dir, args.what
     runs = {}
     for path in glob.glob(os.path.join(root, f"{what}-*-*.json")):
         m = re.fullmatch(rf"{what}-(before|after)-(\d+)\.json", os.path.basename(path))
@@ -139,4 +144,4 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main())
