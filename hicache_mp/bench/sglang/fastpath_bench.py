@@ -294,7 +294,6 @@ def parse(argv=None):
         args.backends.insert(args.backends.index("mp") + 1, "sleeping")
     args.geometries = [g for g in args.geometries.split(",") if g]
     args.hybrid_pages = [int(p) for p in str(args.hybrid_pages).split(",")]
-    args.workers = args.workers or None
     return args
 
 
