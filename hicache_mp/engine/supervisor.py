@@ -76,11 +76,14 @@ class Supervisor:
     _watched_at: float = field(default_factory=time.monotonic, init=False)
     _watch_from_ns: int = field(default=0, init=False)
 
-    def maybe_check(self) -> None:
-        """The health check, when HEALTH_CHECK_S has passed since the last."""
+    def maybe_check(self) -> bool:
+        """The health check, when HEALTH_CHECK_S has passed since the last:
+        whether it ran (the drain's other periodic work rides on it)."""
         if time.monotonic() - self._last_health > HEALTH_CHECK_S:
             self._last_health = time.monotonic()
             self.health()
+            return True
+        return False
 
     def health(self) -> None:
         """Watch the children: none of this waits for a process."""
