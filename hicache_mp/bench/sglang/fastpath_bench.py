@@ -39,6 +39,7 @@ from hicache_mp.bench.sglang import hybrid_rank as HR
 from hicache_mp.bench.sglang import real as R
 from hicache_mp.bench.sglang import real_hybrid as RH
 from hicache_mp.bench.sglang import stack as S
+from hicache_mp.engine.config import auto_workers
 from hicache_mp.integrations.sglang import fastpath
 
 VARIANTS = ("stock", "fast")
@@ -258,7 +259,10 @@ def parse(argv=None):
     ap.add_argument("--hybrid-pages", default="64,256", help="KV pages per hybrid request")
     ap.add_argument("--requests", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--workers", type=int, default=0, help="hicache_mp num_workers (0 = auto)")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="hicache_mp num_workers of every mp engine (0: what one engine alone "
+                         "would start here, given to each, so the stock and fast engines, "
+                         "alive together, get the same count)")
     ap.add_argument("--tiny", action="store_true",
                     help="a CPU check: 4 MiB dense rounds of 64 KiB pages, tiny hybrid "
                          "geometries, 4 KV pages")
@@ -273,6 +277,12 @@ def parse(argv=None):
     ap.add_argument("--store", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if not args.workers and not args.tiny:
+        # Auto per engine would split the node's workers between the stock and
+        # the fast engines, which live side by side here, first come first
+        # served: the fast engine got fewer workers (the H200 run: its idle
+        # round 500 ms to the stock engine's 71).
+        args.workers = auto_workers()
     dense_argv = ["--round-mib", str(args.round_mib), "--page-mib", str(args.page_mib),
                   "--file-round-mib", str(args.file_round_mib or args.round_mib),
                   "--requests", str(args.requests), "--workers", str(args.workers),

@@ -239,6 +239,12 @@ class Stack:
         be = backend_of(self.ctl)
         if hasattr(be, "close"):
             be.close()
+        # SGLang's own teardown of a pinned pool (cudaHostUnregister): a pool
+        # freed still registered lets the next one be mapped at its address,
+        # and registering that range again fails (cudaError 712, "resource
+        # already mapped": the H200 fastpath run's trace, after its stacks closed).
+        with contextlib.suppress(Exception):
+            self.hp.destroy()
         for fd in getattr(self.hp.allocator, "fds", []):
             with contextlib.suppress(OSError):
                 os.close(fd)
