@@ -43,31 +43,8 @@ done < <( (grep -hvE '^\s*(#|-r|$)' .ci/vllm-requirements.txt; echo posix_ipc) |
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-cat > "$tmp/trace.py" <<'EOF'
-import os, runpy, sys
-root, out = os.path.realpath(sys.argv[1]), sys.argv[2]
-vroot = os.path.join(root, "vllm")
-sys.argv = ["scripts/bench_vllm_tier.py", *sys.argv[3:]]
-under = lambda p: p.startswith(vroot + os.sep) and "__pycache__" not in p
-opened = set()
-def hook(event, args):
-    if event == "open" and isinstance(args[0], str) and under(os.path.realpath(args[0])):
-        opened.add(os.path.realpath(args[0]))
-sys.addaudithook(hook)
-try:
-    runpy.run_path(sys.argv[0], run_name="__main__")
-    rc = 0
-except SystemExit as e:
-    rc = e.code or 0
-files = opened | {os.path.realpath(m.__file__) for m in list(sys.modules.values())
-                  if getattr(m, "__file__", None) and under(os.path.realpath(m.__file__))}
-with open(out, "w") as fh:
-    fh.write("".join(os.path.relpath(f, root) + "\n" for f in sorted(files)))
-print(f"trace: {len(files)} vLLM files loaded, rc {rc}")
-sys.exit(rc)
-EOF
 echo "== trace a --quick run over the installed vLLM"
-PYTHONPATH=$PWD python3 "$tmp/trace.py" "$site" "$tmp/files.txt" --quick --io warm,cold \
+PYTHONPATH=$PWD python3 scripts/device/trace_loaded.py "$site" "$tmp/files.txt" --within vllm -- --quick --io warm,cold \
   --modes idle,busy --store "$tmp/store" > "$tmp/trace.log" 2>&1 ||
   { tail -n 30 "$tmp/trace.log"; echo "traced run failed"; exit 1; }
 tail -n 1 "$tmp/trace.log"

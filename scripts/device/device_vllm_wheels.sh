@@ -68,30 +68,8 @@ export VLLM_TARGET_DEVICE=cpu PYTHONUNBUFFERED=1
 
 # 1. Build the helper and trace, in one --quick run against the full tree:
 # every module loaded from it (sys.modules) and every file opened in it.
-cat > "$tmp/trace.py" <<'EOF'
-import os, runpy, sys
-root, out = os.path.realpath(sys.argv[1]), sys.argv[2]
-sys.argv = ["scripts/bench_vllm_tier.py", *sys.argv[3:]]
-under = lambda p: p.startswith(root + os.sep) and "__pycache__" not in p
-opened = set()
-def hook(event, args):
-    if event == "open" and isinstance(args[0], str) and under(os.path.realpath(args[0])):
-        opened.add(os.path.realpath(args[0]))
-sys.addaudithook(hook)
-try:
-    runpy.run_path(sys.argv[0], run_name="__main__")
-    rc = 0
-except SystemExit as e:
-    rc = e.code or 0
-files = opened | {os.path.realpath(m.__file__) for m in list(sys.modules.values())
-                  if getattr(m, "__file__", None) and under(os.path.realpath(m.__file__))}
-with open(out, "w") as fh:
-    fh.write("".join(os.path.relpath(f, root) + "\n" for f in sorted(files)))
-print(f"trace: {len(files)} files loaded from {root}, rc {rc}")
-sys.exit(rc)
-EOF
 echo "== build the fs helper, trace a --quick run over the full vLLM tree"
-PYTHONPATH="$tmp/full:$PWD" python3 "$tmp/trace.py" "$tmp/full" "$tmp/files.txt" --quick \
+PYTHONPATH="$tmp/full:$PWD" python3 scripts/device/trace_loaded.py "$tmp/full" "$tmp/files.txt" -- --quick \
   --build-fs-helper "$sdist" --helper-out "$dest/fs_io_C.abi3.so" > "$tmp/trace.log" 2>&1 ||
   { tail -n 40 "$tmp/trace.log"; echo "traced run failed"; exit 1; }
 tail -n 2 "$tmp/trace.log"
