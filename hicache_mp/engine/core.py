@@ -272,7 +272,10 @@ class EngineCore(IndexLookups, Closing, Ownership):
         at them only when something moved: one compare per scheduler step,
         however many are in flight (decision 83). The ledger bumps the count
         before it applies a batch, so a look outside the lock could take the
-        new count with the old pages and never look again."""
+        new count with the old pages and never look again. An unchanged count
+        needs no lock: any apply since the last look moved it first."""
+        if self._ledger.seq == seen:
+            return seen, None
         with self._lock:
             seq = self._ledger.seq
             if seq == seen:
