@@ -227,9 +227,12 @@ class Closing:
                 return
             self._closed = True
             try:
-                try:
-                    for fn in self._before_unmap:   # on_close(): the pool is still mapped
+                for fn in self._before_unmap:   # on_close(): the pool is still mapped
+                    try:
                         fn()
+                    except Exception as exc:    # the workers must stop all the same
+                        error = error or exc
+                try:
                     self._io.shutdown()
                 except Exception as exc:
                     if not self._released:  # else a nested close() released it under us
