@@ -52,16 +52,32 @@ class Discovery:
         the last asking a key is not asked again; if that ask is still
         unanswered, the caller waits for it all the same."""
         now = time.monotonic()
+        asked = self._asked(keys, whole, namespace, known)
+        ask = [d for d in asked if self.due(d, now)]
+        if ask:
+            self.mark(send(ask), now)
+        return self.waiting.intersection(asked)
+
+    def would_wait(self, keys, whole: bool, namespace: str, known) -> bool:
+        """Whether `ask(keys, whole, ...)` would leave its caller something to
+        wait for: a key it would ask now, or one still unanswered. False means
+        every key it covers was answered within PROBE_TTL_S (the negative
+        cache), so the index alone decides the caller's count."""
+        now, waiting = time.monotonic(), self.waiting
+        return any(d in waiting or self.due(d, now)
+                   for d in self._asked(keys, whole, namespace, known))
+
+    @staticmethod
+    def _asked(keys, whole: bool, namespace: str, known) -> list:
+        """The digests `ask` covers: keys[0]'s, and with `whole` those of the
+        keys after it (up to PROBE_MAX) that `known` misses."""
         asked = [naming.key_digest(keys[0], namespace)]
         if whole:
             for key in keys[1:PROBE_MAX]:
                 d = naming.key_digest(key, namespace)
                 if d not in known:
                     asked.append(d)
-        ask = [d for d in asked if self.due(d, now)]
-        if ask:
-            self.mark(send(ask), now)
-        return self.waiting.intersection(asked)
+        return asked
 
     def awaiting(self, keys, namespace: str) -> bool:
         """Whether a probe of one of `keys` is out and not yet answered."""

@@ -131,6 +131,42 @@ def dense_run(backend, store, policies):
     return rounds, store_files(store), src, threads
 
 
+def test_hit_query_runs_in_prefetch_only_when_it_cannot_wait(tmp_path):
+    """With the fast path, mp's hit query of pages this engine wrote is
+    answered inside prefetch() (its hit is queued when the call returns); a
+    second engine on the same store, started before they were written, must ask
+    the store (workers' probes): its query goes to SGLang's prefetch thread,
+    as stock, and still finds the whole prefix, bytes intact."""
+    fastpath.install()
+    args = sglang_stack.parse(DENSE)
+    store = str(tmp_path / "store")
+    a = sglang_stack.Stack(SGL, "mp", args, store)
+    b = None
+    try:
+        # b starts on the empty store: what a writes next, only a's index knows
+        # (b's pool is filled from the same seed: its src pages are a's bytes)
+        b = sglang_stack.Stack(SGL, "mp", args, store)
+        _, written = sglang_stack.backup(a.ctl, a.src, a.tokens, a.hashes, Scheduler(False), 30)
+        assert written == len(a.tokens)
+        op = a.ctl.prefetch("inline", a.tokens, None)
+        assert a.ctl.prefetch_hit_queue.qsize() == 1            # answered in the call
+        assert a.ctl.prefetch_hit_queue.get_nowait() is op
+        assert op.storage_hit_count == len(a.tokens)
+        assert a.ctl.prefetch_queue.unfinished_tasks == 0       # nothing was queued
+        be = sglang_stack.backend_of(b.ctl)
+        assert not be.hit_query_at_once(b.hashes)               # unknown to b: would wait
+        t, done, idx = sglang_stack.prefetch(b.ctl, b.hp, [(b.tokens, None)], Scheduler(False), 30)
+        assert done == [len(b.tokens)]
+        b.check(idx[0], done[0])
+        assert b.wrong_pages == 0 and b.checked_pages == b.pages
+        b.hp.free(idx[0])
+        assert be.hit_query_at_once(b.hashes)                   # indexed now: at once next time
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+
+
 @pytest.mark.parametrize("backend", ["mp", "file"])
 def test_dense_same_as_stock(tmp_path, backend):
     stock = dense_run(backend, str(tmp_path / "stock"), POLICIES)
@@ -303,14 +339,18 @@ def test_install_applies_and_refuses():
     assert HiCacheController._reduce_prefetch_ack is stock and not fastpath.installed()
     changed = fastpath.install()
     assert sorted(changed) == sorted(
+        ["added sglang.srt.mem_cache.hicache_storage.HiCacheStorage.hit_query_at_once"] +
         [f"replaced sglang.srt.managers.cache_controller.HiCacheController.{m}" for m in
-         ("_page_transfer", "prefetch_io_aux_func", "prefetch_sync_thread_func",
+         ("prefetch", "_storage_hit_query", "prefetch_thread_func",
+          "_page_transfer", "prefetch_io_aux_func", "prefetch_sync_thread_func",
           "_sync_prefetch_hit_query", "_reduce_prefetch_ack")] +
         [f"added sglang.srt.managers.cache_controller.HiCacheController.{m}" for m in
-         ("_publish_prefetch_ack", "_min_across_ranks")] +
+         ("_submit_hit_query", "_answer_hit_query", "_publish_prefetch_ack",
+          "_min_across_ranks")] +
         [f"replaced sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller."
          f"HybridCacheController.{m}" for m in
-         ("_page_transfer_sidecar", "_sync_prefetch_hit_query", "_reduce_prefetch_ack",
+         ("prefetch", "_storage_hit_query",
+          "_page_transfer_sidecar", "_sync_prefetch_hit_query", "_reduce_prefetch_ack",
           "prefetch_sync_thread_func")] +
         ["added sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller."
          "HybridCacheController._publish_prefetch_ack"])
@@ -322,6 +362,8 @@ def test_install_applies_and_refuses():
     assert len(fastpath.uninstall()) == len(changed)
     assert HiCacheController._reduce_prefetch_ack is stock
     assert not hasattr(HiCacheController, "_publish_prefetch_ack")
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+    assert not hasattr(HiCacheStorage, "hit_query_at_once")
 
 
 # --- the upstream patch -------------------------------------------------------------------
@@ -354,8 +396,9 @@ def test_patch_is_install_and_applies(tmp_path):
 # --- the hand-offs, counted on SGLang's threads ----------------------------------------------
 def test_handoffs_per_batch(tmp_path):
     """One dense prefetch of two batches on mp: SGLang's own waits (outside
-    the backend's calls) are the prefetch thread's and the I/O thread's wake,
-    one per batch; stock adds the sync thread's wake per ack and a
+    the backend's calls) are the I/O thread's wake once the slots are
+    allocated, one per request (its hit query ran on the scheduler thread);
+    stock adds the prefetch thread's wake, the sync thread's wake per ack and a
     Tensor.item per ack and per hit query."""
     from hicache_mp.bench.sglang.handoffs import HandoffTracer, dense_prefetch
     tr = HandoffTracer().install()
@@ -369,8 +412,10 @@ def test_handoffs_per_batch(tmp_path):
     own = {lb: [r for r in tr.table(lb) if r["backend_call"] == "-" and r["thread"] in SGL_THREADS]
            for lb in ("stock", "fast")}
     waits = {lb: tr.sglang_waits(lb) for lb in ("stock", "fast")}
-    assert waits["fast"] <= fast["batches"], own["fast"]   # one per batch, at most
-    assert {r["thread"] for r in own["fast"]} == {"prefetch_thread_func", "prefetch_io_aux_func"}
+    assert waits["fast"] <= 1, own["fast"]   # one per request (of 2 batches)
+    # the hit query ran in prefetch(), on the scheduler thread (mp answers its
+    # own pages at once): the I/O thread's wake for the slots is all that is left
+    assert {r["thread"] for r in own["fast"]} == {"prefetch_io_aux_func"}, own["fast"]
     assert not any(r["kind"] == "Tensor.item" for r in own["fast"])
     assert any(r["thread"] == "prefetch_sync_thread_func" for r in own["stock"])
     assert waits["stock"] > waits["fast"]

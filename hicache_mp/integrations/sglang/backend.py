@@ -274,6 +274,14 @@ class HiCacheMP(HiCacheStorage):
         # its prefetch thread, which may wait for the answers (GIL released).
         return self._need_engine().exists(list(keys), wait_s=self.own.probe_wait_s)
 
+    def hit_query_at_once(self, keys, pool_transfers=None) -> bool:
+        """Whether batch_exists / batch_exists_v2 on `keys` answers without
+        waiting (the SGLang fast path's question before it runs the hit query
+        on the scheduler thread): every key indexed, or the store's answer for
+        the first missing one already in (engine.answers_at_once). The v2
+        query's sidecar pools never wait (hybrid.exists), so the KV keys decide."""
+        return self.engine is not None and self.engine.answers_at_once(keys)
+
     def batch_get_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
         return self._v1(keys, host_indices, write=False)
 

@@ -1,8 +1,9 @@
 """The HiCache storage fast path, applied to SGLang's classes in this process.
 
 `install()` puts the methods of `fastpath_methods` on SGLang 0.5.23's
-`HiCacheController` and `HybridCacheController` (see that module for what
-changes and why) and returns what it changed; `uninstall()` puts SGLang's
+`HiCacheController` and `HybridCacheController`, and the default of the one
+method it asks backends (`hit_query_at_once`) on `HiCacheStorage` (see that
+module for what changes and why) and returns what it changed; `uninstall()` puts SGLang's
 own back. `patched_source()` writes the same methods into SGLang's source
 text, which is how the upstream patch in upstream/ is made
 (scripts/sglang_fastpath_patch.py) and checked (tests/integrations/).
@@ -12,7 +13,7 @@ SGLang raises `FastPathVersionError`, because the methods replaced are
 copies of that version's with a few lines changed, and on another version
 they would silently undo its fixes.
 
-Owns the patching of those two classes and nothing else; must not import
+Owns the patching of those three classes and nothing else; must not import
 SGLang at module level (the CLI's --help loads it without SGLang), touch
 an engine, or change any other SGLang class.
 """
@@ -36,6 +37,11 @@ SGLANG_VERSION = "0.5.23"
 # local patch, the upstream patch already applied) is refused too, because
 # install() would silently replace whatever they changed.
 STOCK_SOURCES = {
+    "HiCacheController.prefetch": "c208351097b07acc",
+    "HiCacheController.prefetch_thread_func": "6296cd9aa0b38266",
+    "HiCacheController._storage_hit_query": "5352def1560a362a",
+    "HybridCacheController.prefetch": "4a96706426d1c0f9",
+    "HybridCacheController._storage_hit_query": "5ca6e010ea7fceb1",
     "HiCacheController._page_transfer": "bef387703701bb7f",
     "HiCacheController.prefetch_io_aux_func": "a731bbb0fdaff18c",
     "HiCacheController.prefetch_sync_thread_func": "41e792c07ea6b8bb",

@@ -18,6 +18,15 @@ agree with (no sync group), the hit count and the completed tokens are
 taken as they are, with no tensor; with ranks, the same MIN all-reduces
 run, in the same order, on the same groups.
 
+The hit query of a request runs on the scheduler thread, in `prefetch()`
+(`_submit_hit_query`), when that cannot wait: one rank (no collective), no
+query queued before it, and a backend that says it answers these keys
+without I/O (`HiCacheStorage.hit_query_at_once`, False by default). Its hit
+is then on `prefetch_hit_queue` for the scheduler's next drain, with no
+prefetch-thread wake-up in between; otherwise the prefetch thread answers
+it, as before. A one-batch request so costs SGLang one wake-up (the I/O
+thread's, once its host slots are allocated) instead of two.
+
 Must not import hicache_mp or SGLang: the text below is SGLang's (it goes
 into the upstream patch verbatim) and resolves its names in SGLang's module.
 The holder classes are never instantiated; a method that calls `super()` is
@@ -27,8 +36,133 @@ given the target class's `__class__` cell at install.
 from __future__ import annotations  # as in both SGLang modules: annotations stay text
 
 
+class HiCacheStorageMethods:
+    """Methods of sglang.srt.mem_cache.hicache_storage.HiCacheStorage."""
+
+    def hit_query_at_once(
+        self, keys: List[str], pool_transfers: Optional[list] = None
+    ) -> bool:
+        """
+        Whether batch_exists (batch_exists_v2 with `pool_transfers`) on `keys`
+        answers without waiting on I/O, e.g. from an in-memory index. If so,
+        the cache controller may run the hit query on the scheduler thread and
+        spare its prefetch thread a wake-up per request. A backend whose query
+        is a disk or network round trip must answer False, the default.
+        """
+        return False
+
+
 class HiCacheControllerMethods:
     """Methods of sglang.srt.managers.cache_controller.HiCacheController."""
+
+    def prefetch(
+        self,
+        request_id: str,
+        new_input_tokens: List[int],
+        last_hash: Optional[str] = None,
+        prefix_keys: Optional[List[str]] = None,
+    ) -> PrefetchOperation:
+        """
+        Prefetch KV caches from storage backend to host memory.
+        """
+        operation = PrefetchOperation(
+            request_id, new_input_tokens, last_hash, prefix_keys
+        )
+        self._submit_hit_query(operation)
+        return operation
+
+    def _submit_hit_query(self, operation: PrefetchOperation) -> None:
+        """Answer `operation`'s hit query here, on the scheduler thread, when
+        that cannot wait: one rank (no collective to make), no query queued
+        before it (hits keep their order) and a backend that answers these
+        keys without I/O (`hit_query_at_once`). Else the prefetch thread
+        answers it, as before. Under a busy scheduler that thread's wake-up
+        cost up to a GIL switch interval per request."""
+        if (
+            not self.prefetch_hits_sync_groups
+            and self.prefetch_queue.unfinished_tasks == 0
+            and not operation.is_terminated()
+        ):
+            try:
+                operation.all_hash_values = get_storage_hash_str(
+                    operation.token_ids, operation.last_hash, page_size=self.page_size
+                )
+                at_once = self.storage_backend.hit_query_at_once(
+                    operation.all_hash_values,
+                    getattr(operation, "pool_transfers", None),
+                )
+            except Exception:
+                at_once = False  # the prefetch thread queries and reports it
+            if at_once:
+                self._answer_hit_query(operation)
+                return
+        self.prefetch_queue.put(operation)
+
+    def _answer_hit_query(self, operation: PrefetchOperation) -> None:
+        """Query storage for `operation`'s hit, agree on it across ranks and
+        hand it to the scheduler thread's drain (prefetch_hit_queue)."""
+        try:
+            if operation.is_terminated():
+                hash_value, storage_hit_count = [], 0
+            else:
+                hash_value, storage_hit_count = self._storage_hit_query(operation)
+        except Exception:
+            logger.exception(
+                "HiCache storage query failed for request %s",
+                operation.request_id,
+            )
+            hash_value, storage_hit_count = [], 0
+
+        storage_hit_count = self._sync_prefetch_hit_query(operation, storage_hit_count)
+
+        # Record the TP-synced hit count; the scheduler thread decides
+        # at drain time whether to revoke (below threshold) or allocate.
+        operation.hash_value = hash_value[: (storage_hit_count // self.page_size)]
+        operation.storage_hit_count = storage_hit_count
+        self.prefetch_hit_queue.put(operation)
+
+    def _storage_hit_query(self, operation) -> tuple[list[str], int]:
+        last_hash = operation.last_hash
+        tokens_to_fetch = operation.token_ids
+        prefix_keys = operation.prefix_keys
+
+        storage_query_count = 0
+        hash_value = []
+        page_hashes = operation.all_hash_values
+        if page_hashes is None:  # _submit_hit_query may have hashed them already
+            page_hashes = get_storage_hash_str(
+                tokens_to_fetch, last_hash, page_size=self.page_size
+            )
+        operation.all_hash_values = page_hashes
+
+        for start in range(0, len(page_hashes), STORAGE_BATCH_SIZE):
+            batch_hashes = page_hashes[start : start + STORAGE_BATCH_SIZE]
+            extra_info = HiCacheStorageExtraInfo(prefix_keys=prefix_keys)
+            hit_page_num = self.storage_backend.batch_exists(batch_hashes, extra_info)
+            hash_value.extend(batch_hashes[:hit_page_num])
+            storage_query_count += hit_page_num * self.page_size
+            if hit_page_num < len(batch_hashes):
+                break
+            if prefix_keys is not None:
+                prefix_keys = prefix_keys + batch_hashes
+
+        return hash_value, storage_query_count
+
+    def prefetch_thread_func(self):
+        """
+        Manage prefetching operations from storage backend to host memory.
+        """
+        while (not self.storage_stop_event.is_set()) or not self.prefetch_queue.empty():
+            try:
+                operation = self.prefetch_queue.get(block=True, timeout=1)
+            except Empty:
+                continue
+            try:
+                if operation is not None:
+                    self._answer_hit_query(operation)
+            finally:
+                # _submit_hit_query answers inline only when nothing is left here.
+                self.prefetch_queue.task_done()
 
     def _publish_prefetch_ack(self, ack: PrefetchAck) -> None:
         """Agree on `ack` across ranks and hand it to the scheduler thread.
@@ -147,6 +281,77 @@ class HiCacheControllerMethods:
 
 class HybridCacheControllerMethods:
     """Methods of sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController."""
+
+    def prefetch(
+        self,
+        handle: CacheRequestHandle,
+        new_input_tokens: List[int],
+        last_hash: Optional[str] = None,
+        prefix_keys: Optional[List[str]] = None,
+        extra_pools: Optional[list[PoolTransfer]] = None,
+        assume_stored: bool = False,
+    ) -> PrefetchOperation:
+        operation = PrefetchOperation(
+            handle,
+            new_input_tokens,
+            last_hash,
+            prefix_keys=prefix_keys,
+            pool_transfers=extra_pools,
+            assume_stored=assume_stored,
+        )
+        self._submit_hit_query(operation)
+        return operation
+
+    def _storage_hit_query(self, operation) -> tuple[list[str], int]:
+        hash_value = operation.all_hash_values
+        if hash_value is None:  # _submit_hit_query may have hashed them already
+            hash_value = get_storage_hash_str(
+                operation.token_ids, operation.last_hash, page_size=self.page_size
+            )
+        operation.all_hash_values = hash_value
+
+        if operation.assume_stored:
+            # A prior hit on a suffix of this span proved it stored, and writes
+            # are prefix-covered, so re-querying only adds a round trip. Nothing
+            # is verified now, so no pool gets a verdict to learn from.
+            kv_hit_pages = len(hash_value)
+            operation.pool_storage_result.update_kv_hit_pages(kv_hit_pages)
+            operation.query_pool_hit_pages = {}
+            return hash_value, kv_hit_pages * self.page_size
+
+        extra_info = HiCacheStorageExtraInfo(
+            prefix_keys=operation.prefix_keys.copy() if operation.prefix_keys else None,
+        )
+        if operation.pool_transfers:
+            hit_result = self.storage_backend.batch_exists_v2(
+                hash_value, operation.pool_transfers, extra_info
+            )
+        else:
+            kv_hit_count = self.storage_backend.batch_exists(hash_value, extra_info)
+            hit_result = PoolTransferResult(
+                kv_hit_pages=kv_hit_count, extra_pool_hit_pages={}
+            )
+
+        kv_hit_pages = hit_result.kv_hit_pages
+        operation.pool_storage_result.update_kv_hit_pages(kv_hit_pages)
+        operation.pool_storage_result.restorable_prefix_pages = (
+            hit_result.restorable_prefix_pages
+        )
+        # Each pool's own boundary (the KV pool's where the backend reports
+        # it, else the folded cut); the beliefs heal pool by pool. A pool the
+        # backend did not report carries no verdict.
+        pool_hits = hit_result.extra_pool_hit_pages
+        operation.query_pool_hit_pages = {
+            PoolName.KV: pool_hits.get(PoolName.KV, kv_hit_pages)
+        }
+        for transfer in operation.pool_transfers or ():
+            if transfer.name in pool_hits:
+                operation.query_pool_hit_pages[transfer.name] = pool_hits[transfer.name]
+
+        return (
+            hash_value[:kv_hit_pages],
+            kv_hit_pages * self.page_size,
+        )
 
     def _page_transfer_sidecar(
         self, operation: PrefetchOperation, kv_completed_pages: int
@@ -304,6 +509,8 @@ class HybridCacheControllerMethods:
 
 # (SGLang module, class, holder, the stock method after which new methods go)
 TARGETS = (
+    ("sglang.srt.mem_cache.hicache_storage", "HiCacheStorage",
+     HiCacheStorageMethods, "batch_exists"),
     ("sglang.srt.managers.cache_controller", "HiCacheController",
      HiCacheControllerMethods, "_generic_page_get"),
     ("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller", "HybridCacheController",
