@@ -339,9 +339,10 @@ def test_install_applies_and_refuses():
     assert HiCacheController._reduce_prefetch_ack is stock and not fastpath.installed()
     changed = fastpath.install()
     assert sorted(changed) == sorted(
-        ["added sglang.srt.mem_cache.hicache_storage.HiCacheStorage.hit_query_at_once"] +
+        ["added sglang.srt.managers.cache_controller.HandoffQueue",
+         "added sglang.srt.mem_cache.hicache_storage.HiCacheStorage.hit_query_at_once"] +
         [f"replaced sglang.srt.managers.cache_controller.HiCacheController.{m}" for m in
-         ("prefetch", "_storage_hit_query", "prefetch_thread_func",
+         ("_start_storage_threads", "prefetch", "_storage_hit_query", "prefetch_thread_func",
           "_page_transfer", "prefetch_io_aux_func", "prefetch_sync_thread_func",
           "_sync_prefetch_hit_query", "_reduce_prefetch_ack")] +
         [f"added sglang.srt.managers.cache_controller.HiCacheController.{m}" for m in
@@ -363,7 +364,9 @@ def test_install_applies_and_refuses():
     assert HiCacheController._reduce_prefetch_ack is stock
     assert not hasattr(HiCacheController, "_publish_prefetch_ack")
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+    from sglang.srt.managers import cache_controller
     assert not hasattr(HiCacheStorage, "hit_query_at_once")
+    assert not hasattr(cache_controller, "HandoffQueue")
 
 
 # --- the upstream patch -------------------------------------------------------------------
@@ -375,7 +378,8 @@ def test_patch_is_install_and_applies(tmp_path):
     with open(PATCH) as f:
         assert f.read() == fastpath.patch_text(SITE), \
             "stale patch: run python3 scripts/sglang_fastpath_patch.py"
-    rels = [m.replace(".", "/") + ".py" for m, *_ in fastpath_methods.TARGETS]
+    mods = fastpath.patched_modules()
+    rels = [m.replace(".", "/") + ".py" for m in mods]
     for rel in rels:
         os.makedirs(tmp_path / os.path.dirname(rel), exist_ok=True)
         shutil.copy(os.path.join(SITE, rel), tmp_path / rel)
@@ -385,11 +389,13 @@ def test_patch_is_install_and_applies(tmp_path):
     subprocess.run(cmd, cwd=tmp_path, check=True, capture_output=True)
     subprocess.run([tool, "-p1", "-s", "-i", PATCH] if tool else ["git", "apply", "-p1", PATCH],
                    cwd=tmp_path, check=True, capture_output=True)
-    for (mod, cls, holder, anchor), rel in zip(fastpath_methods.TARGETS, rels):
+    for mod, rel in zip(mods, rels):
         text = (tmp_path / rel).read_text()
         compile(text, rel, "exec")
         with open(os.path.join(SITE, rel)) as f:
-            assert text == fastpath.patched_source(f.read(), cls, holder, anchor)
+            assert text == fastpath.patched_module(f.read(), mod)
+        for m, cls, _ in fastpath_methods.CLASSES:
+            assert m != mod or f"class {cls.__name__}(" in text
         assert "hicache_mp" not in text   # every backend gains; nothing of ours in it
 
 
@@ -441,3 +447,43 @@ def test_sglang_serve_launcher(capsys):
     assert "--model-path" in out.out and "fast path installed" in out.err
     # SGLang spawns its schedulers: the entry it is given travels by name
     assert pickle.loads(pickle.dumps(serve.run_scheduler_process)) is serve.run_scheduler_process
+
+
+# --- HandoffQueue: the scheduler's put() hands the GIL to the woken storage thread ----------
+def test_handoff_queue_put_returns_once_a_waiting_consumer_has_the_item():
+    """put() to a consumer blocked in get() returns only once that consumer has
+    taken the item (with the GIL released meanwhile, the consumer runs at
+    once); to a busy consumer it returns at once and the item waits its turn.
+    The wait bound is raised so the check does not hang on the box's speed."""
+    from hicache_mp.integrations.sglang.fastpath_methods import HandoffQueue
+    q = HandoffQueue()
+    q.handoff_wait_s = 30.0
+    got, release = [], threading.Event()
+
+    def consumer():
+        while True:
+            item = q.get()
+            got.append(item)
+            if item is None:
+                return
+            release.wait(30)        # busy with the item (a backend call)
+
+    t = threading.Thread(target=consumer, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while q.consumers_waiting == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert q.consumers_waiting == 1
+    q.put("first")
+    assert got == ["first"] and q.qsize() == 0           # taken before put() returned
+    t0 = time.monotonic()
+    q.put("second")                                       # the consumer is busy: no wait
+    assert time.monotonic() - t0 < 10 and q.qsize() == 1 and got == ["first"]
+    release.set()
+    q.put(None)
+    t.join(10)
+    assert not t.is_alive() and got == ["first", "second", None]
+    t0 = time.monotonic()
+    q.put("after")                                        # nobody waits in get(): no wait
+    assert time.monotonic() - t0 < 10 and q.get_nowait() == "after"
+    assert q.consumers_waiting == 0 and q.taken_count == 3

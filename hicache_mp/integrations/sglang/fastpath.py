@@ -37,6 +37,7 @@ SGLANG_VERSION = "0.5.23"
 # local patch, the upstream patch already applied) is refused too, because
 # install() would silently replace whatever they changed.
 STOCK_SOURCES = {
+    "HiCacheController._start_storage_threads": "b005fdc04d7ea7f1",
     "HiCacheController.prefetch": "c208351097b07acc",
     "HiCacheController.prefetch_thread_func": "6296cd9aa0b38266",
     "HiCacheController._storage_hit_query": "5352def1560a362a",
@@ -116,6 +117,14 @@ def install(*, version: str | None = None) -> list[str]:
         return []
     changed = []
     plan = []
+    for mod_name, cls, _before in fastpath_methods.CLASSES:
+        module = importlib.import_module(mod_name)
+        if hasattr(module, cls.__name__):
+            raise FastPathVersionError(
+                f"this SGLang {SGLANG_VERSION}'s {mod_name} already has a {cls.__name__} (a "
+                f"different build, or the upstream patch already applied, which makes "
+                f"install() unnecessary); nothing was changed")
+        plan.append((module, module, cls.__name__, cls, None))
     for mod_name, cls_name, holder, _anchor in fastpath_methods.TARGETS:
         module = importlib.import_module(mod_name)
         cls = getattr(module, cls_name)
@@ -131,6 +140,11 @@ def install(*, version: str | None = None) -> list[str]:
                     f"nothing was changed")
             plan.append((module, cls, name, fn, old))
     for module, cls, name, fn, old in plan:
+        if cls is module:   # a class of the module's own (fastpath_methods.CLASSES)
+            setattr(module, name, fn)
+            _INSTALLED.append((module, name, None))
+            changed.append(f"added {module.__name__}.{name}")
+            continue
         setattr(cls, name, _bound_to(fn, module, cls))
         _INSTALLED.append((cls, name, old))
         changed.append(f"{'replaced' if old is not None else 'added'} "
@@ -147,7 +161,10 @@ def uninstall() -> list[str]:
             delattr(cls, name)
         else:
             setattr(cls, name, old)
-        out.append(f"{cls.__module__}.{cls.__name__}.{name}")
+        if isinstance(cls, types.ModuleType):
+            out.append(f"{cls.__name__}.{name}")
+        else:
+            out.append(f"{cls.__module__}.{cls.__name__}.{name}")
     return out
 
 
@@ -183,16 +200,43 @@ def patched_source(text: str, cls_name: str, holder: type, anchor: str) -> str:
     return "".join(lines)
 
 
+def with_class(text: str, cls: type, before: str) -> str:
+    """SGLang's file `text` with `cls`'s source put before its class `before`."""
+    tree = ast.parse(text)
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == before)
+    first = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
+    lines = text.splitlines(True)
+    lines[first:first] = inspect.getsource(cls).splitlines(True) + ["\n", "\n"]
+    return "".join(lines)
+
+
+def patched_module(text: str, mod_name: str) -> str:
+    """SGLang module `mod_name`'s source `text` as install() makes it behave:
+    the fast path's classes put in (CLASSES), then its methods (TARGETS)."""
+    for mod, cls, before in fastpath_methods.CLASSES:
+        if mod == mod_name:
+            text = with_class(text, cls, before)
+    for mod, cls_name, holder, anchor in fastpath_methods.TARGETS:
+        if mod == mod_name:
+            text = patched_source(text, cls_name, holder, anchor)
+    return text
+
+
+def patched_modules() -> list[str]:
+    """The SGLang modules the fast path changes, in the patch's order."""
+    return list(dict.fromkeys(m for m, *_ in fastpath_methods.TARGETS))
+
+
 def patch_text(site_packages: str) -> str:
     """The unified diff (paths a/sglang/..., b/sglang/...; apply with -p1 in
     site-packages) that makes SGLang's sources under `site_packages` read as
     install() makes its classes behave."""
     out = []
-    for mod_name, cls_name, holder, anchor in fastpath_methods.TARGETS:
+    for mod_name in patched_modules():
         rel = mod_name.replace(".", "/") + ".py"
         with open(os.path.join(site_packages, rel)) as f:
             old = f.read()
-        new = patched_source(old, cls_name, holder, anchor)
+        new = patched_module(old, mod_name)
         out += difflib.unified_diff(old.splitlines(True), new.splitlines(True),
                                     f"a/{rel}", f"b/{rel}")
     return "".join(out)

@@ -27,6 +27,11 @@ prefetch-thread wake-up in between; otherwise the prefetch thread answers
 it, as before. A one-batch request so costs SGLang one wake-up (the I/O
 thread's, once its host slots are allocated) instead of two.
 
+The queues through which the scheduler thread wakes a storage thread (a
+prefetch's hit query, its transfer, a backup) are `HandoffQueue`s: put()
+waits, GIL released, until the blocked consumer has taken the item, so the
+consumer does not wait for a busy scheduler's switch interval.
+
 Must not import hicache_mp or SGLang: the text below is SGLang's (it goes
 into the upstream patch verbatim) and resolves its names in SGLang's module.
 The holder classes are never instantiated; a method that calls `super()` is
@@ -34,6 +39,55 @@ given the target class's `__class__` cell at install.
 """
 # ruff: noqa: F821  (names resolve in SGLang's module, whose globals these run under)
 from __future__ import annotations  # as in both SGLang modules: annotations stay text
+
+import threading
+from queue import Queue  # as cache_controller.py imports both: HandoffQueue reads the same there
+
+
+class HandoffQueue(Queue):
+    """A Queue whose put() hands the GIL to a consumer thread blocked in get().
+
+    A storage thread woken by the scheduler thread needs the GIL back, and a
+    busy scheduler keeps it until the interpreter's switch interval (5 ms by
+    default) forces a switch: each hand-off of a prefetch or backup cost up
+    to that much. Here put() waits, with the GIL released, until the waiting
+    consumer has taken the item (at most `handoff_wait_s`), so the consumer
+    runs at once and the producer pays the consumer's wake-up instead (about
+    0.1 ms). A consumer that is busy takes the item on its next get() with
+    no wait, and put() does not wait for it.
+    """
+
+    handoff_wait_s = 0.002
+
+    def __init__(self, maxsize: int = 0):
+        super().__init__(maxsize)
+        self.consumers_waiting = 0
+        self.taken = threading.Condition(threading.Lock())
+        self.taken_count = 0
+
+    def get(self, block=True, timeout=None):
+        if not block:
+            return super().get(False)
+        with self.mutex:
+            self.consumers_waiting += 1
+        try:
+            item = super().get(True, timeout)
+        finally:
+            with self.mutex:
+                self.consumers_waiting -= 1
+        with self.taken:
+            self.taken_count += 1
+            self.taken.notify_all()
+        return item
+
+    def put(self, item, block=True, timeout=None):
+        hand_off = self.consumers_waiting > 0
+        with self.taken:
+            taken = self.taken_count
+        super().put(item, block, timeout)
+        if hand_off:
+            with self.taken:
+                self.taken.wait_for(lambda: self.taken_count != taken, self.handoff_wait_s)
 
 
 class HiCacheStorageMethods:
@@ -54,6 +108,42 @@ class HiCacheStorageMethods:
 
 class HiCacheControllerMethods:
     """Methods of sglang.srt.managers.cache_controller.HiCacheController."""
+
+    def _start_storage_threads(self):
+        """Start storage prefetch/backup threads and their queues.
+
+        This is used by runtime attach, and also by reset when storage is enabled.
+        The queues the scheduler thread hands work to a storage thread through
+        are HandoffQueues: the woken thread gets the GIL at once.
+        """
+        assert self.enable_storage
+        assert not self.storage_stop_event.is_set()
+
+        self.prefetch_thread = threading.Thread(
+            target=self.prefetch_thread_func, daemon=True
+        )
+        self.prefetch_io_aux_thread = threading.Thread(
+            target=self.prefetch_io_aux_func, daemon=True
+        )
+        self.prefetch_sync_thread = threading.Thread(
+            target=self.prefetch_sync_thread_func, daemon=True
+        )
+        self.backup_thread = threading.Thread(
+            target=self.backup_thread_func, daemon=True
+        )
+        self.prefetch_queue = HandoffQueue()
+        self.backup_queue = HandoffQueue()
+        self.prefetch_buffer = HandoffQueue()
+        self.prefetch_sync_queue = Queue()
+        self.prefetch_hit_queue = Queue()
+        self.ack_prefetch_queue = Queue()
+        self.ack_backup_queue = Queue()
+        self.host_mem_release_queue = Queue()
+
+        self.prefetch_thread.start()
+        self.prefetch_io_aux_thread.start()
+        self.prefetch_sync_thread.start()
+        self.backup_thread.start()
 
     def prefetch(
         self,
@@ -506,6 +596,11 @@ class HybridCacheControllerMethods:
                 self._free_pp_prefetch_state(state)
                 self.pp_prefetch_states.pop(operation.request_id, None)
 
+
+# (SGLang module, class put in it, the class it goes before)
+CLASSES = (
+    ("sglang.srt.managers.cache_controller", HandoffQueue, "HiCacheController"),
+)
 
 # (SGLang module, class, holder, the stock method after which new methods go)
 TARGETS = (
