@@ -28,9 +28,9 @@
 #            .sglang, the same path in both). Backends nobytes,mp, no tracer.
 #  vllm      likewise this tree's vLLM tier bench (scripts/bench_vllm_tier.py
 #            -> hicache_mp/bench/vllm/) over the before tree, reaching the
-#            engine through hicache_mp.integrations.vllm. Busy mode, warm I/O;
-#            the fs Python row runs too (the bench always plans it) at 4
-#            threads: not compared.
+#            engine through hicache_mp.integrations.vllm. Busy mode, warm I/O,
+#            4 GiB phases, 5 rounds a run; no fs row (--fs-py-threads 0: the
+#            fs rows took 8 of every 9 seconds and are not compared).
 # The before tree travels as a tar (made with
 # `mkdir -p .before && git archive 05859c4 > .before/before.tar`; .before/ is
 # ignored: carry it).
@@ -54,7 +54,7 @@
 #   HICACHE_MP_BA_ARGS: extra arguments for every run of the bench.
 # Box sizes are meant for: 3 pairs of prefetch in one call (~5 min), 2 pairs
 # of stack in another and 2 of vllm in a third (~4.5 min each); each run is cut off by its
-# timeout (prefetch 80 s, stack and vllm 110 s) so a hung one cannot eat the
+# timeout (prefetch 80 s, stack 110 s, vllm 150 s) so a hung one cannot eat the
 # call. Each run leaves OUTDIR/<what>-<before|after>-<n>.{json,log}; the table
 # goes to OUTDIR/<what>-summary.txt. If OUTDIR is under $OUT (a device call
 # brings back at most 8 files) the runs' files are kept in /tmp and come back
@@ -152,18 +152,19 @@ echo "nproc $(nproc); python $(python3 -c 'import platform; print(platform.pytho
 if [ "$size" = quick ]; then
   pf=(--quick --file-cap-s 1)
   st=(--round-mib 2 --page-mib 0.125 --layers 2 --heads 4 --head-dim 64 --runs 3 --timeout-s 60)
-  vl=(--quick --io warm --modes busy --repeats 2)
+  vl=(--quick --io warm --modes busy --repeats 2 --fs-py-threads 0)
   tmo=${HICACHE_MP_BA_TIMEOUT:-240}
 else
   pf=(--pages 512 --rounds 2 --repeats 3 --file-cap-s 2)
   st=(--round-mib 1024 --page-mib 8 --runs 5 --timeout-s 60)
-  vl=(--rows 1024 --io warm --modes busy --repeats 2 --fs-threads 4 --fs-py-threads 4
+  # 4 GiB phases (2 GiB ones lasted 60-80 ms, noise-bound), 5 rounds a run, no fs row
+  vl=(--rows 2048 --io warm --modes busy --repeats 5 --fs-threads 4 --fs-py-threads 0
       --lookup-keys 200 --phase-timeout-s 20)
 fi
 case "$what" in
   prefetch) tmo=${tmo:-${HICACHE_MP_BA_TIMEOUT:-80}} ;;
   stack) tmo=${tmo:-${HICACHE_MP_BA_TIMEOUT:-110}} ;;
-  vllm) tmo=${tmo:-${HICACHE_MP_BA_TIMEOUT:-110}} ;;
+  vllm) tmo=${tmo:-${HICACHE_MP_BA_TIMEOUT:-150}} ;;
 esac
 one() {  # tree label n
   local tree=$1 label=$2 n=$3 t0=$SECONDS rc

@@ -98,7 +98,8 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, default=0, help="hicache_mp workers (0: auto)")
     p.add_argument("--fs-threads", default="4,16,32", help="fs read and write threads, swept")
     p.add_argument("--fs-py-threads", default=None, help="the same for the Python fallback "
-                   "(default: --fs-threads)")
+                   "(default: --fs-threads; 0: no Python fallback row, for runs that "
+                   "time this engine alone, as a before/after comparison does)")
     p.add_argument("--fs-helper", default=None, help="a built vllm/fs_io_C .so to load")
     p.add_argument("--build-fs-helper", metavar="SDIST", default=None,
                    help="build the helper from vLLM's sdist (.tar.gz or unpacked) first")
@@ -120,8 +121,9 @@ def parse_args(argv=None):
         args.rows, args.row_bytes, args.job_rows = 16, 64 << 10, 4
         args.fs_threads, args.lookup_keys, args.workers = "2", 200, args.workers or 2
     args.fs_threads = [int(x) for x in args.fs_threads.split(",")]
-    args.fs_py_threads = [int(x) for x in (args.fs_py_threads.split(",") if args.fs_py_threads
-                                           else args.fs_threads)]
+    args.fs_py_threads = [t for t in (int(x) for x in (args.fs_py_threads.split(",")
+                                                       if args.fs_py_threads
+                                                       else args.fs_threads)) if t > 0]
     return args
 
 
@@ -533,7 +535,8 @@ def main(argv=None) -> int:
     plan = [("hicache_mp", "hicache_mp", None, [args.workers])]
     if helper:
         plan.append(("fs", f"fs C({helper.split(':')[0]})", True, args.fs_threads))
-    plan.append(("fs", "fs Python", False, args.fs_py_threads))
+    if args.fs_py_threads:
+        plan.append(("fs", "fs Python", False, args.fs_py_threads))
     rows, looks, run = [], [], 0
     if args.calls:
         rig.close()
