@@ -105,3 +105,37 @@ def test_the_adapters_mask_steps_match_numpy_and_keep_the_gil():
                 gilkeep.eq(status, 1))
     _, found = released_in(steps)
     assert not found, f"a mask step over {KEYS} pages let the GIL go: {found}"
+
+
+def test_the_tracer_tells_a_wait_that_timed_out_from_one_that_was_woken():
+    """GilTracer: a Condition wait that ends by its timeout (an idle thread's
+    poll) is recorded as "timeout", one that a notify ended as a "c_call",
+    so a round's count of hand-offs is not its idle threads' polls."""
+    import threading
+    from hicache_mp.bench.giltrace import GilTracer
+    tr = GilTracer().install()
+    cond = threading.Condition()
+    woken = []
+    try:
+        def idle():
+            with cond:
+                woken.append(cond.wait(0.05))      # nobody notifies: times out
+
+        def handed():
+            with cond:
+                woken.append(cond.wait(10))        # notified below
+        with tr.round("r"):
+            a = threading.Thread(target=idle)
+            a.start()
+            a.join(10)
+            b = threading.Thread(target=handed)
+            b.start()
+            time.sleep(0.05)
+            with cond:
+                cond.notify_all()
+            b.join(10)
+    finally:
+        tr.uninstall()
+    assert woken == [False, True]
+    kinds = sorted(r[3] for r in tr.records if r[0] == "r" and "acquire" in r[5])
+    assert kinds == ["c_call", "timeout"], tr.records

@@ -10,6 +10,10 @@ Two tools; neither changes what it watches:
   the GIL at a forced switch and waited to get it back). Each record is
   tagged with the backend call it happened in (`batch_get_v1`,
   `batch_exists`, ...; `-` for SGLang's own code) and the round it fell in.
+  A lock wait inside `threading.Condition.wait` that ended by its timeout
+  (the wait returned False: an idle thread's poll, as SGLang's
+  `Queue.get(timeout=1)`, which nothing on the batch's path woke) is
+  recorded as kind "timeout", not "c_call".
   Under a scheduler loop that holds the GIL, a C call that lets the GIL go
   costs its thread up to a switch interval to win it back, so it shows here
   as a call of over 1 ms even when its own work took microseconds.
@@ -31,6 +35,7 @@ import sys
 import threading
 import time
 
+_CONDITION_WAIT = threading.Condition.wait.__code__   # its False return is a timeout
 BACKEND_CALLS = ("batch_get_v1", "batch_get_v2", "batch_exists", "batch_exists_v2",
                  "batch_set_v1", "batch_set_v2", "batch_get", "batch_set")
 
@@ -46,13 +51,14 @@ def _cname(arg) -> str:
 
 
 class _ThreadState:
-    __slots__ = ("ccalls", "last", "calls", "name")
+    __slots__ = ("ccalls", "last", "calls", "name", "last_ccall")
 
     def __init__(self, name):
         self.ccalls = []      # (start, builtin, site) of C calls open now
         self.last = None      # perf_counter of the last Python event outside a C call
         self.calls = []       # backend calls open now: (name, id)
         self.name = name
+        self.last_ccall = None  # (index in records, frame) of its last c_call record
 
 
 class GilTracer:
@@ -142,7 +148,8 @@ class GilTracer:
             if st.ccalls:
                 t0, fn, cframe = st.ccalls.pop()
                 if now - t0 > self.call_s and self._round is not None:
-                    self._record(st, "c_call", _site(cframe), _cname(fn), now - t0)
+                    st.last_ccall = (self._record(st, "c_call", _site(cframe), _cname(fn),
+                                                  now - t0), cframe)
             st.last = now
             return
         if st.ccalls:  # Python called back from C: the C call is still open
@@ -157,7 +164,18 @@ class GilTracer:
                 self.call_counts[self._round, frame.f_code.co_name] += 1
         elif event == "return" and st.calls and st.calls[-1][2] is frame:
             st.calls.pop()
+        elif event == "return" and arg is False and st.last_ccall is not None and \
+                st.last_ccall[1] is frame and frame.f_code is _CONDITION_WAIT:
+            self._timed_out(st.last_ccall[0])
+        if event == "return" and st.last_ccall is not None and st.last_ccall[1] is frame:
+            st.last_ccall = None
         st.last = now
+
+    def _timed_out(self, index: int) -> None:
+        """The c_call record at `index` was a Condition.wait that timed out."""
+        with self._lock:
+            r = self.records[index]
+            self.records[index] = r[:3] + ("timeout",) + r[4:]
 
     def _gap(self, st, frame, now):
         if st.last is not None and now - st.last > self.gap_s and self._round is not None:
@@ -167,10 +185,11 @@ class GilTracer:
                          now - st.last)
         st.last = now
 
-    def _record(self, st, kind, site, what, seconds):
+    def _record(self, st, kind, site, what, seconds) -> int:
         call, cid = (st.calls[-1][0], st.calls[-1][1]) if st.calls else ("-", 0)
         with self._lock:
             self.records.append((self._round, call, cid, kind, site, what, seconds, st.name))
+            return len(self.records) - 1
 
     # --- results -----------------------------------------------------------------
     def report(self, rounds: dict | None = None) -> dict:

@@ -32,6 +32,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 
 from hicache_mp.bench.giltrace import GilTracer
 from hicache_mp.bench.sglang import handoffs
@@ -190,6 +191,13 @@ def trace(sgl, args, root) -> dict:
     return out
 
 
+def _storage_threads(ctl) -> set:
+    """The names of `ctl`'s storage threads (SGLang's: 'Thread-N (target)')."""
+    return {t.name for t in (getattr(ctl, a, None) for a in (
+        "prefetch_thread", "prefetch_io_aux_thread", "prefetch_sync_thread", "backup_thread",
+        "pp_prefetch_command_thread")) if isinstance(t, threading.Thread)}
+
+
 def busy_trace(sgl, args, root) -> dict:
     gil = GilTracer().install()   # before the stacks: their threads are the ones watched
     gil.disarm()
@@ -223,18 +231,23 @@ def busy_trace(sgl, args, root) -> dict:
         dense_batches = -(-s.pages // max(1, args.requests) // 128) * max(1, args.requests)
         hybrid_batches = -(-args.hybrid_pages[0] // 128) * args.requests
         for v in VARIANTS:
-            for part, batches in (("dense", dense_batches), ("hybrid", hybrid_batches)):
+            for part, batches, ctl in (("dense", dense_batches, stacks[v][0].ctl),
+                                       ("hybrid", hybrid_batches, stacks[v][1].ctl)):
                 label = f"{part}:{v}"
-                recs = [x for x in gil.records if x[0] == label]
-                own = [x for x in recs if x[1] == "-" and handoffs.role_name(x[7])
-                       in handoffs.SGLANG_THREADS]
-                backend = [x for x in recs if x[1] != "-"]
+                # the traced controller's own threads: every stack's idle threads
+                # run (and poll) beside it, and are not this round's
+                mine = _storage_threads(ctl)
+                recs = [x for x in gil.records if x[0] == label and x[7] in mine]
+                own = [x for x in recs if x[1] == "-" and x[3] != "timeout"]
+                backend = [x for x in recs if x[1] != "-" and x[3] != "timeout"]
                 n = args.trace_runs * batches
                 sites = {}
                 for x in own:
                     sites[f"{x[3]} {x[4]} {x[5]}"] = sites.get(f"{x[3]} {x[4]} {x[5]}", 0) + 1 / n
                 out[label] = {"sglang_returns_per_batch": len(own) / n,
                               "backend_returns_per_batch": len(backend) / n,
+                              "idle_timeouts_per_batch": sum(x[3] == "timeout"
+                                                             for x in recs) / n,
                               "sglang_sites_per_batch": sites}
     finally:
         gil.uninstall()
@@ -339,7 +352,8 @@ def main(argv=None) -> dict:
                   f"{t['sglang_waits_per_batch']:.2f}")
     for label, t in res.get("trace", {}).get("busy", {}).items():
         print(f"{label} busy (GIL tracer): SGLang's returns to the GIL per batch "
-              f"{t['sglang_returns_per_batch']:.2f}, the backend's {t['backend_returns_per_batch']:.2f}")
+              f"{t['sglang_returns_per_batch']:.2f}, the backend's {t['backend_returns_per_batch']:.2f}"
+              f" (idle threads' poll timeouts, not counted: {t['idle_timeouts_per_batch']:.2f})")
     if "trace" in res:
         print(f"Tensor.item lets the GIL go in this torch: {res['trace']['tensor_item_releases_gil']}")
     res["wrong_pages"] = sum(r["wrong_pages"] for p in ("dense", "hybrid") for r in res[p].values())

@@ -27,6 +27,8 @@ with the limited API of Python 3.11, so the .so also loads on 3.12.
         --fs-helper build/fs_io_C.abi3.so --fs-threads 4,16,32,64
 """
 import argparse
+import contextlib
+import glob
 import importlib.util
 import json
 import os
@@ -156,6 +158,13 @@ class Rig:
         self.manager = self.spec.get_manager()
         self.kv = self.manager.primary_tier.get_kv_memoryview()
         self.view = np.asarray(self.kv).view(np.uint8)
+        # vLLM unlinks its region's file only at shutdown (or after a barrier its
+        # workers pass, which this one-process rig has none of): a run killed by a
+        # timeout left 8 GiB files in /dev/shm. Mapped, they need no name; vLLM's
+        # own unlink ignores a file already gone.
+        for path in glob.glob(f"/dev/shm/vllm_offload_{self.engine_id}.mmap*"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def tier(self, kind: str, store: str, *, threads: int = 0, direct: bool = False,
              workers: int = 0):
