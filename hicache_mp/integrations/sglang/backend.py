@@ -173,6 +173,9 @@ class HiCacheMP(HiCacheStorage):
                         ", ".join(sorted(self.known_keys())))
         self.mem_pool_host = None
         self.engine: PrefetchEngine | None = None
+        # (thread, keys) that hit_query_at_once answered True for: the query that
+        # follows on that thread must not wait either (hit_query_at_once)
+        self._at_once: tuple | None = None
         self.zero_copy = False
         self.fallback_reason = ""
         self.geometry: PageGeometry | None = None
@@ -272,7 +275,15 @@ class HiCacheMP(HiCacheStorage):
         # Keys the index does not know (an MLA writer rank's pages, another
         # node's) are asked of the store by the workers; SGLang calls this from
         # its prefetch thread, which may wait for the answers (GIL released).
-        return self._need_engine().exists(list(keys), wait_s=self.own.probe_wait_s)
+        keys = list(keys)
+        wait_s = self.own.probe_wait_s
+        at_once = self._at_once
+        if at_once is not None and keys and at_once[0] == threading.get_ident():
+            if keys[0] in at_once[1]:
+                wait_s = 0.0        # answered "at once" for the scheduler thread
+            else:
+                self._at_once = None
+        return self._need_engine().exists(keys, wait_s=wait_s)
 
     def hit_query_at_once(self, keys, pool_transfers=None) -> bool:
         """Whether batch_exists / batch_exists_v2 on `keys` answers without
@@ -280,7 +291,14 @@ class HiCacheMP(HiCacheStorage):
         on the scheduler thread): every key indexed, or the store's answer for
         the first missing one already in (engine.answers_at_once). The v2
         query's sidecar pools never wait (hybrid.exists), so the KV keys decide."""
-        return self.engine is not None and self.engine.answers_at_once(keys)
+        if self.engine is None or not keys or not self.engine.answers_at_once(keys):
+            return False
+        # Between this answer and the query's own exists() a negative-cache
+        # entry may expire (PROBE_TTL_S), and that exists() would then wait
+        # probe_wait_s on the scheduler thread: the query of these keys on
+        # this thread is made with no wait instead.
+        self._at_once = (threading.get_ident(), frozenset(keys))
+        return True
 
     def batch_get_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
         return self._v1(keys, host_indices, write=False)
