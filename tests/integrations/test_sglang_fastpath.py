@@ -487,3 +487,34 @@ def test_handoff_queue_put_returns_once_a_waiting_consumer_has_the_item():
     q.put("after")                                        # nobody waits in get(): no wait
     assert time.monotonic() - t0 < 10 and q.get_nowait() == "after"
     assert q.consumers_waiting == 0 and q.taken_count == 3
+
+
+def test_a_query_answered_at_once_never_sleeps_on_that_thread(tmp_path):
+    """hit_query_at_once said True, then the store's answer it relied on went
+    stale before the query (PROBE_TTL_S): the query on that thread still does
+    not sleep in the engine (it asks the store again, and takes the index's
+    count), while the same query on another thread waits for the answer."""
+    from hicache_mp.engine.discovery import PROBE_TTL_S
+    args = sglang_stack.parse(DENSE)
+    s = sglang_stack.Stack(SGL, "mp", args, str(tmp_path / "store"))
+    try:
+        be = sglang_stack.backend_of(s.ctl)
+        keys = [f"absent-{i}" for i in range(4)]
+
+        def sleeps():
+            m = be.engine.metrics()
+            return m["wait_wakeups_posted"] + m["wait_wakeups_timeout"]
+        assert be.batch_exists(keys) == 0               # asks the store, waits for "missing"
+        assert be.hit_query_at_once(keys)               # that answer is fresh
+        time.sleep(PROBE_TTL_S + 0.05)                  # ... and now stale
+        before = sleeps()
+        assert be.batch_exists(keys) == 0
+        assert sleeps() == before                       # asked again, not waited for
+        time.sleep(PROBE_TTL_S + 0.05)
+        out = []
+        t = threading.Thread(target=lambda: out.append(be.batch_exists(keys)))
+        t.start()
+        t.join(30)
+        assert out == [0] and sleeps() > before         # another thread: it waits
+    finally:
+        s.close()
