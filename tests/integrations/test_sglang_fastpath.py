@@ -518,3 +518,34 @@ def test_a_query_answered_at_once_never_sleeps_on_that_thread(tmp_path):
         assert out == [0] and sleeps() > before         # another thread: it waits
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("backend", ["mp", "file"])
+def test_only_a_backend_that_can_answer_at_once_is_hashed_on_the_scheduler(
+        tmp_path, monkeypatch, backend):
+    """SGLang's `file` keeps HiCacheStorage's default hit_query_at_once: its
+    pages are hashed and queried on the prefetch thread, as stock (a long
+    prompt's hashing stays off the scheduler thread); mp's on the caller's."""
+    from sglang.srt.managers import cache_controller
+    fastpath.install()
+    real, threads = cache_controller.get_storage_hash_str, []
+
+    def spy(*a, **k):   # the real hash, and which thread asked for it
+        threads.append(threading.get_ident())
+        return real(*a, **k)
+    monkeypatch.setattr(cache_controller, "get_storage_hash_str", spy)
+    args = sglang_stack.parse(DENSE)
+    s = sglang_stack.Stack(SGL, backend, args, str(tmp_path / "store"))
+    try:
+        _, written = sglang_stack.backup(s.ctl, s.src, s.tokens, s.hashes, Scheduler(False), 30)
+        assert written == len(s.tokens)
+        threads.clear()
+        _, done, idx = sglang_stack.prefetch(s.ctl, s.hp, [(s.tokens, None)], Scheduler(False), 30)
+        assert done == [len(s.tokens)]
+        s.check(idx[0], done[0])
+        assert s.wrong_pages == 0
+        s.hp.free(idx[0])
+        on_caller = threading.get_ident() in threads
+        assert len(threads) == 1 and on_caller == (backend == "mp"), threads
+    finally:
+        s.close()

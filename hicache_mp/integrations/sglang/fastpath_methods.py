@@ -32,8 +32,9 @@ prefetch's hit query, its transfer, a backup) are `HandoffQueue`s: put()
 waits, GIL released, until the blocked consumer has taken the item, so the
 consumer does not wait for a busy scheduler's switch interval.
 
-Must not import hicache_mp or SGLang: the text below is SGLang's (it goes
-into the upstream patch verbatim) and resolves its names in SGLang's module.
+Must not import hicache_mp, nor SGLang at module level: the text below is
+SGLang's (it goes into the upstream patch verbatim) and resolves its names in
+SGLang's module.
 The holder classes are never instantiated; a method that calls `super()` is
 given the target class's `__class__` cell at install.
 """
@@ -168,8 +169,16 @@ class HiCacheControllerMethods:
         keys without I/O (`hit_query_at_once`). Else the prefetch thread
         answers it, as before. Under a busy scheduler that thread's wake-up
         cost up to a GIL switch interval per request."""
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+        # A backend that keeps the default never answers at once: its pages are
+        # hashed on the prefetch thread, as before, not on this one.
+        overridden = getattr(
+            type(self.storage_backend), "hit_query_at_once", None
+        ) not in (None, HiCacheStorage.hit_query_at_once)
         if (
-            not self.prefetch_hits_sync_groups
+            overridden
+            and not self.prefetch_hits_sync_groups
             and self.prefetch_queue.unfinished_tasks == 0
             and not operation.is_terminated()
         ):
