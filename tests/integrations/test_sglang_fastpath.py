@@ -549,3 +549,39 @@ def test_only_a_backend_that_can_answer_at_once_is_hashed_on_the_scheduler(
         assert len(threads) == 1 and on_caller == (backend == "mp"), threads
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("variant", ["stock", "fast"])
+def test_two_tp_ranks_agree_through_the_fast_path(tmp_path, variant):
+    """Two TP ranks in their own processes, joined in a gloo group that is
+    SGLang's TP group: their hit queries and acks are agreed across them
+    (MIN), stock and with the fast path (whose hit query then stays on the
+    prefetch thread, and whose acks are reduced on the I/O thread). Rank 1
+    stored 100 of the 160 pages, so both ranks load exactly 100, bytes
+    checked; neither hangs."""
+    import json
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root, here, os.environ.get("PYTHONPATH", "")]))
+    pg, store = tmp_path / "pg", tmp_path / "store"
+    procs = [subprocess.Popen([sys.executable, os.path.join(here, "fastpath_rank.py"), str(r),
+                               "2", str(pg), str(store), str(tmp_path / f"r{r}.json"), variant,
+                               str(160 if r == 0 else 100)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             for r in (0, 1)]
+    errs = []
+    try:
+        for p in procs:
+            errs.append(p.communicate(timeout=180)[1].decode(errors="replace")[-3000:])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], errs
+    res = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in (0, 1)]
+    for r in res:
+        assert r["done"] == 100 * r["page_tokens"] and r["checked"] == 100 and r["wrong"] == 0, res

@@ -190,13 +190,16 @@ def set_parallel(tp_rank: int = 0, tp_size: int = 1) -> None:
 
 
 def controller(sgl, host_pool, *, backend: str, extra: dict | None, model="hicache-mp/stack",
-               enable_storage_metrics=False, tp_rank=0, tp_size=1):
-    """A real HiCacheController with its storage threads running on `backend`."""
+               enable_storage_metrics=False, tp_rank=0, tp_size=1, tp_group=None):
+    """A real HiCacheController with its storage threads running on `backend`;
+    with `tp_group` (a torch.distributed group of the ranks), its hit counts
+    and acks are agreed across them as SGLang's TP ranks do."""
     import threading
     set_parallel(tp_rank, tp_size)
     dev = DevicePool(host_pool.layer_num, default_device())
     return sgl.HiCacheController(
-        dev, host_pool, host_pool.page_size, tp_group=None, load_cache_event=threading.Event(),
+        dev, host_pool, host_pool.page_size, tp_group=tp_group,
+        load_cache_event=threading.Event(),
         io_backend="direct", storage_backend=backend, prefetch_threshold=host_pool.page_size,
         model_name=model, storage_backend_extra_config=dict(extra or {}),
         enable_storage_metrics=enable_storage_metrics)

@@ -159,7 +159,8 @@ class Stack:
     """A real host pool and controller on one backend; pages of random bytes
     in `src` slots are the truth every read is checked against."""
 
-    def __init__(self, sgl, backend: str, args, store: str, *, tp_rank=0, tp_size=1):
+    def __init__(self, sgl, backend: str, args, store: str, *, tp_rank=0, tp_size=1,
+                 tp_group=None):
         self.sgl, self.name, self.args = sgl, backend, args
         self.P = args.page_size
         self.pages = args.file_round_pages if backend == "file" else args.round_pages
@@ -181,7 +182,7 @@ class Stack:
         else:
             raise ValueError(f"unknown backend {backend!r} (mp, file, nobytes, sleeping)")
         self.ctl = R.controller(sgl, self.hp, backend=kind, extra=extra, tp_rank=tp_rank,
-                                tp_size=tp_size)
+                                tp_size=tp_size, tp_group=tp_group)
         self.calls = _count_calls(self.ctl)
         self.src = self.hp.alloc(self.pages * self.P)
         self.extra_src = self.hp.alloc(self.pages * self.P)
