@@ -122,26 +122,27 @@ def test_an_answer_nobody_drained_is_not_taken_for_a_later_ask(store, monkeypatc
         assert reader.exists(keys, wait_s=10.0) == 8
 
 
-def test_answers_at_once_says_when_exists_would_wait(store):
-    """`answers_at_once` (the SGLang fast path asks it before a hit query on the
-    scheduler thread) is True exactly when exists() answers with no wait:
+def test_exists_at_once_says_when_exists_would_wait(store):
+    """`exists_at_once` (the SGLang fast path asks it before a hit query on the
+    scheduler thread) gives a count exactly when exists() answers with no wait:
     every key indexed, or the store's answer for the first missing key (and,
     past a known head, for the misses after it) already in and fresh. Its
-    verdicts are checked against exists() itself: a True one answers at once
-    whatever its wait_s, with the same count a waiting call gives."""
+    verdicts are checked against exists() itself: where it gives a count,
+    exists() answers at once whatever its wait_s, with the count a waiting
+    call gives."""
     keys = [f"once-{i}" for i in range(8)]
     with engine(store, pages=8) as eng:
-        assert not eng.answers_at_once(keys)           # cold: the head must be asked
+        assert eng.exists_at_once(keys) is None         # cold: the head must be asked
         fill(eng, range(4), random_pages(eng.geometry, 4, seed=12))
         op = eng.backup(keys[:4], range(4))
         assert eng.wait(op, 60) and op.status == "ok", op
-        assert eng.answers_at_once(keys[:4])           # every key indexed
-        assert not eng.answers_at_once(keys)           # keys[4:] never asked about
+        assert eng.exists_at_once(keys[:4]) is not None  # every key indexed
+        assert eng.exists_at_once(keys) is None         # keys[4:] never asked about
         assert eng.exists(keys, wait_s=10.0) == 4      # asks them, and has the answers
-        assert eng.answers_at_once(keys)               # "missing", fresh: no wait now
+        assert eng.exists_at_once(keys) is not None     # "missing", fresh: no wait now
         t0 = time.monotonic()
         assert eng.exists(keys, wait_s=10.0) == 4
         assert time.monotonic() - t0 < 1.0             # it did not wait its 10 s
         time.sleep(PROBE_TTL_S + 0.05)
-        assert not eng.answers_at_once(keys)           # stale: exists() would ask again
-    assert not eng.answers_at_once(keys[:4])           # closed: never "at once"
+        assert eng.exists_at_once(keys) is None         # stale: exists() would ask again
+    assert eng.exists_at_once(keys[:4]) is None     # closed: never "at once"

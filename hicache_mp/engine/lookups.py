@@ -1,6 +1,6 @@
 """IndexLookups: which keys have a page in the store, as far as this engine knows.
 
-Owns the public calls on the exists index (exists, answers_at_once, ask,
+Owns the public calls on the exists index (exists, exists_at_once, ask,
 present, awaiting_discovery, mark_present, forget_all, indexed_pages, refresh) and the
 wait for probe answers. Must not make a system call on the caller's thread (the index is
 in memory; workers stat the store for keys it misses, hicache_mp.engine.discovery)
@@ -67,24 +67,25 @@ class IndexLookups:
             if n == len(keys):
                 return n
 
-    def answers_at_once(self, keys) -> bool:
-        """Whether `exists(keys, wait_s=...)` would answer now, with no wait
-        whatever its `wait_s`: every key is indexed, or the first one the index
-        misses (and, past a known head, the misses after it) was asked of the
-        store within PROBE_TTL_S and answered. A caller that must not block (a
-        scheduler thread) asks this first. No syscall, no lock, no probe sent."""
+    def exists_at_once(self, keys) -> int | None:
+        """What `exists(keys, wait_s=...)` would answer now, with no wait
+        whatever its `wait_s`; None if it would have to wait. It answers at once
+        when every key is indexed, or when the first one the index misses (and,
+        past a known head, the misses after it) was asked of the store within
+        PROBE_TTL_S and answered. For a caller that must not block (a scheduler
+        thread): one pass over the keys, no syscall, no lock, no probe sent."""
         if self._forked:
             self._refuse_in_child()
         if self._closed:
-            return False
+            return None
         if not isinstance(keys, (list, tuple)):
             keys = list(keys)
         n = self._leading(keys)
-        if n == len(keys):
-            return True
         # as _exists asks: the head alone when none of the prefix is known
-        return not self._discovery.would_wait(keys[n:], n > 0, self.namespace,
-                                              self._index.digests)
+        if n < len(keys) and self._discovery.would_wait(keys[n:], n > 0, self.namespace,
+                                                        self._index.digests):
+            return None
+        return n
 
     def ask(self, keys, *, wait_s: float = 0.0) -> None:
         """Ask the store about every key the index misses, not only a prefix's

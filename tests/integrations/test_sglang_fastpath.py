@@ -492,8 +492,8 @@ def test_handoff_queue_put_returns_once_a_waiting_consumer_has_the_item():
 def test_a_query_answered_at_once_never_sleeps_on_that_thread(tmp_path):
     """hit_query_at_once said True, then the store's answer it relied on went
     stale before the query (PROBE_TTL_S): the query on that thread still does
-    not sleep in the engine (it asks the store again, and takes the index's
-    count), while the same query on another thread waits for the answer."""
+    not sleep in the engine (it is answered from hit_query_at_once's own
+    pass), while the same query on another thread waits for the answer."""
     from hicache_mp.engine.discovery import PROBE_TTL_S
     args = sglang_stack.parse(DENSE)
     s = sglang_stack.Stack(SGL, "mp", args, str(tmp_path / "store"))
@@ -509,7 +509,7 @@ def test_a_query_answered_at_once_never_sleeps_on_that_thread(tmp_path):
         time.sleep(PROBE_TTL_S + 0.05)                  # ... and now stale
         before = sleeps()
         assert be.batch_exists(keys) == 0
-        assert sleeps() == before                       # asked again, not waited for
+        assert sleeps() == before                       # not waited for
         time.sleep(PROBE_TTL_S + 0.05)
         out = []
         t = threading.Thread(target=lambda: out.append(be.batch_exists(keys)))

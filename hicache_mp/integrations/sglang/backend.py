@@ -173,8 +173,8 @@ class HiCacheMP(HiCacheStorage):
                         ", ".join(sorted(self.known_keys())))
         self.mem_pool_host = None
         self.engine: PrefetchEngine | None = None
-        # (thread, keys) that hit_query_at_once answered True for: the query that
-        # follows on that thread must not wait either (hit_query_at_once)
+        # hit_query_at_once's answer, kept for the query that follows on its
+        # thread: (thread, keys, {key: position}, leading count)
         self._at_once: tuple | None = None
         self.zero_copy = False
         self.fallback_reason = ""
@@ -276,28 +276,45 @@ class HiCacheMP(HiCacheStorage):
         # node's) are asked of the store by the workers; SGLang calls this from
         # its prefetch thread, which may wait for the answers (GIL released).
         keys = list(keys)
-        wait_s = self.own.probe_wait_s
+        n = self._answered_at_once(keys)
+        if n is not None:
+            return n
+        return self._need_engine().exists(keys, wait_s=self.own.probe_wait_s)
+
+    def _answered_at_once(self, keys) -> int | None:
+        """The count hit_query_at_once found for `keys` (the whole list it was
+        asked about, or a run of it, as SGLang queries in 128-key batches) when
+        this is the thread that asked; None otherwise. Answered from that one
+        pass: no digest twice per page on the scheduler thread, and no wait even
+        if the store's answer it relied on has gone stale since."""
         at_once = self._at_once
-        if at_once is not None and keys and at_once[0] == threading.get_ident():
-            if keys[0] in at_once[1]:
-                wait_s = 0.0        # answered "at once" for the scheduler thread
-            else:
-                self._at_once = None
-        return self._need_engine().exists(keys, wait_s=wait_s)
+        if at_once is None or not keys or at_once[0] != threading.get_ident():
+            return None
+        _, asked, where, n = at_once
+        at = where.get(keys[0])
+        if at is None or asked[at:at + len(keys)] != keys:
+            self._at_once = None
+            return None
+        if at + len(keys) >= len(asked):
+            self._at_once = None     # the query's last batch: nothing more to answer
+        return min(len(keys), max(0, n - at))
 
     def hit_query_at_once(self, keys, pool_transfers=None) -> bool:
         """Whether batch_exists / batch_exists_v2 on `keys` answers without
         waiting (the SGLang fast path's question before it runs the hit query
         on the scheduler thread): every key indexed, or the store's answer for
-        the first missing one already in (engine.answers_at_once). The v2
+        the first missing one already in (engine.exists_at_once). The v2
         query's sidecar pools never wait (hybrid.exists), so the KV keys decide."""
-        if self.engine is None or not keys or not self.engine.answers_at_once(keys):
+        if self.engine is None or not keys:
             return False
-        # Between this answer and the query's own exists() a negative-cache
-        # entry may expire (PROBE_TTL_S), and that exists() would then wait
-        # probe_wait_s on the scheduler thread: the query of these keys on
-        # this thread is made with no wait instead.
-        self._at_once = (threading.get_ident(), frozenset(keys))
+        keys = list(keys)
+        n = self.engine.exists_at_once(keys)
+        if n is None:
+            return False
+        # The query that follows on this thread is answered from this pass
+        # (_answered_at_once): a negative-cache entry that expires in between
+        # would otherwise make it wait probe_wait_s on the scheduler thread.
+        self._at_once = (threading.get_ident(), keys, {k: i for i, k in enumerate(keys)}, n)
         return True
 
     def batch_get_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
