@@ -162,13 +162,13 @@ class GilTracer:
             st.calls.append((frame.f_code.co_name, self._ids, frame))
             if self._round is not None:
                 self.call_counts[self._round, frame.f_code.co_name] += 1
-        elif event == "return" and st.calls and st.calls[-1][2] is frame:
-            st.calls.pop()
-        elif event == "return" and arg is False and st.last_ccall is not None and \
-                st.last_ccall[1] is frame and frame.f_code is _CONDITION_WAIT:
-            self._timed_out(st.last_ccall[0])
-        if event == "return" and st.last_ccall is not None and st.last_ccall[1] is frame:
-            st.last_ccall = None
+        elif event == "return":
+            if st.calls and st.calls[-1][2] is frame:
+                st.calls.pop()
+            if st.last_ccall is not None and st.last_ccall[1] is frame:
+                if arg is False and frame.f_code is _CONDITION_WAIT:
+                    self._timed_out(st.last_ccall[0])
+                st.last_ccall = None
         st.last = now
 
     def _timed_out(self, index: int) -> None:
