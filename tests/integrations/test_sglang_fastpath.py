@@ -340,6 +340,7 @@ def test_install_applies_and_refuses():
     changed = fastpath.install()
     assert sorted(changed) == sorted(
         ["added sglang.srt.managers.cache_controller.HandoffQueue",
+         "added sglang.srt.managers.cache_controller.StorageSwitchInterval",
          "added sglang.srt.mem_cache.hicache_storage.HiCacheStorage.hit_query_at_once"] +
         [f"replaced sglang.srt.managers.cache_controller.HiCacheController.{m}" for m in
          ("_start_storage_threads", "prefetch", "_storage_hit_query", "prefetch_thread_func",
@@ -367,6 +368,7 @@ def test_install_applies_and_refuses():
     from sglang.srt.managers import cache_controller
     assert not hasattr(HiCacheStorage, "hit_query_at_once")
     assert not hasattr(cache_controller, "HandoffQueue")
+    assert not hasattr(cache_controller, "StorageSwitchInterval")
 
 
 # --- the upstream patch -------------------------------------------------------------------
@@ -395,7 +397,8 @@ def test_patch_is_install_and_applies(tmp_path):
         with open(os.path.join(SITE, rel)) as f:
             assert text == fastpath.patched_module(f.read(), mod)
         for m, cls, _ in fastpath_methods.CLASSES:
-            assert m != mod or f"class {cls.__name__}(" in text
+            assert m != mod or f"\nclass {cls.__name__}(" in text \
+                or f"\nclass {cls.__name__}:" in text
         assert "hicache_mp" not in text   # every backend gains; nothing of ours in it
 
 
@@ -487,6 +490,91 @@ def test_handoff_queue_put_returns_once_a_waiting_consumer_has_the_item():
     q.put("after")                                        # nobody waits in get(): no wait
     assert time.monotonic() - t0 < 10 and q.get_nowait() == "after"
     assert q.consumers_waiting == 0 and q.taken_count == 3
+
+
+# --- StorageSwitchInterval: a storage thread's return to the GIL costs 0.5 ms, not 5 ---------
+@pytest.fixture
+def _switch_interval():
+    import sys
+    old = sys.getswitchinterval()
+    yield old
+    sys.setswitchinterval(old)
+
+
+def test_storage_switch_interval_nests_restores_and_keeps_the_users(_switch_interval):
+    """The span lowers the process's interval once, however many threads are
+    inside; the last one out restores it. A lower interval the user set is
+    kept, and one the user changed while a span was open is left as set."""
+    import sys
+    from hicache_mp.integrations.sglang.fastpath_methods import StorageSwitchInterval as Span
+    def now_us():   # CPython keeps the interval in whole microseconds
+        return round(sys.getswitchinterval() * 1e6)
+    sys.setswitchinterval(0.005)
+    a, b = Span(), Span()
+    with a:
+        assert now_us() == 500
+        with b:
+            assert now_us() == 500
+        assert now_us() == 500                    # a is still inside
+    assert now_us() == 5000 and Span.inside == 0
+    sys.setswitchinterval(0.0002)                 # the user's, lower
+    users = now_us()
+    with Span():
+        assert now_us() == users < 500
+    assert now_us() == users
+    sys.setswitchinterval(0.005)
+    with Span():
+        sys.setswitchinterval(0.003)              # the user's, meanwhile
+    assert now_us() == 3000
+    sys.setswitchinterval(0.005)
+    with pytest.raises(RuntimeError):
+        with Span():
+            raise RuntimeError("a backend's error")
+    assert now_us() == 5000 and Span.inside == 0
+
+
+@pytest.mark.parametrize("variant", ["stock", "fast"])
+def test_a_prefetch_runs_under_the_short_interval_only_with_the_fast_path(
+        tmp_path, variant, _switch_interval):
+    """Through SGLang's real controller: with the fast path, the backend's
+    hit query on the prefetch thread (SGLang's `file`, which does not answer
+    at once) and its reads on the I/O thread run while the process's switch
+    interval is 0.5 ms, and the interval is the process's own again once the
+    prefetch is done; stock, it is never changed. Bytes checked."""
+    import sys
+    from hicache_mp.integrations.sglang.fastpath_methods import StorageSwitchInterval
+    if variant == "fast":
+        fastpath.install()
+    sys.setswitchinterval(0.005)
+    args = sglang_stack.parse(DENSE)
+    s = sglang_stack.Stack(SGL, "file", args, str(tmp_path / "store"))
+    try:
+        _, written = sglang_stack.backup(s.ctl, s.src, s.tokens, s.hashes, Scheduler(False), 30)
+        assert written == len(s.tokens)
+        seen = {}
+        be = s.ctl.storage_backend
+        for name in ("batch_exists", "batch_get"):
+            fn = getattr(be, name)
+
+            def spy(*a, _fn=fn, _name=name, **k):
+                seen.setdefault(_name, set()).add(sys.getswitchinterval())
+                return _fn(*a, **k)
+            setattr(be, name, spy)
+        _, done, idx = sglang_stack.prefetch(s.ctl, s.hp, [(s.tokens, None)], Scheduler(False), 30)
+        assert done == [len(s.tokens)]
+        s.check(idx[0], done[0])
+        assert s.wrong_pages == 0 and s.checked_pages == s.pages
+        s.hp.free(idx[0])
+        want = {500 if variant == "fast" else 5000}   # microseconds
+        assert {k: {round(x * 1e6) for x in v} for k, v in seen.items()} == \
+            {"batch_exists": want, "batch_get": want}, seen
+        deadline = time.monotonic() + 10   # the I/O thread leaves its span after its last ack
+        while round(sys.getswitchinterval() * 1e6) != 5000 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert round(sys.getswitchinterval() * 1e6) == 5000
+        assert StorageSwitchInterval.inside == 0
+    finally:
+        s.close()
 
 
 def test_a_query_answered_at_once_never_sleeps_on_that_thread(tmp_path):

@@ -72,10 +72,12 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
-def ratio(times: dict) -> dict:
+def ratio(times: dict, loop: list) -> dict:
+    """Medians of the idle and busy rounds, and of the busy loop's it/s in
+    its busy rounds (what the scheduler kept of the CPU while storage work ran)."""
     idle, busy = median(times["idle"]), median(times["busy"])
     return {"idle_ms": idle * 1e3, "busy_ms": busy * 1e3, "busy_over_idle": idle / busy,
-            "runs_s": times}
+            "busy_loop_its": median(loop), "runs_s": times, "busy_loop_its_runs": loop}
 
 
 # --- dense -------------------------------------------------------------------------------
@@ -92,6 +94,7 @@ def dense(sgl, args, root) -> dict:
                     S.backup(s.ctl, s.src, s.tokens, s.hashes, S.Scheduler(False), args.timeout_s)
                 s.read(S.Scheduler(False))   # warm: the index, the page cache, first calls
         times = {k: {m: [] for m in MODES} for k in stacks}
+        loop = {k: [] for k in stacks}
         gets = -(-stacks["stock", args.backends[0]].pages // max(1, args.requests) // 128) * \
             max(1, args.requests)
         for _ in range(args.runs):
@@ -104,12 +107,15 @@ def dense(sgl, args, root) -> dict:
                             if ("stock", "mp") in stacks and times["stock", "mp"]["idle"]:
                                 S.backend_of(s.ctl).sleep_like(
                                     times["stock", "mp"]["idle"][-1], 0.0, gets)
+                        sched = S.Scheduler(mode == "busy")
                         with switch_interval(mode, args.switch_interval_ms):
-                            t, done = s.read(S.Scheduler(mode == "busy"))
+                            t, done = s.read(sched)
                         if done != len(s.tokens):
                             raise AssertionError(f"dense {v} {b} {mode}: {done} tokens read")
                         times[v, b][mode].append(t)
-        return {f"{b}:{v}": dict(ratio(times[v, b]), wrong_pages=stacks[v, b].wrong_pages,
+                        if mode == "busy":
+                            loop[v, b].append(sched.rate())
+        return {f"{b}:{v}": dict(ratio(times[v, b], loop[v, b]), wrong_pages=stacks[v, b].wrong_pages,
                                  checked_pages=stacks[v, b].checked_pages)
                 for (v, b) in stacks}
     finally:
@@ -138,6 +144,7 @@ def hybrid(args, root) -> dict:
                         r.finish(pages, r.prefetch(pages, S.Scheduler(False),
                                                    args.timeout_s)[1], "warm")
                 times = {k: {m: [] for m in MODES} for k in ranks}
+                loop = {k: [] for k in ranks}
                 gets = -(-pages // 128) * args.requests + args.requests   # KV batches + sidecar
                 for _ in range(args.runs):
                     for mode in MODES:
@@ -148,13 +155,15 @@ def hybrid(args, root) -> dict:
                                 if kind == "sleeping":
                                     S.backend_of(r.ctl).sleep_like(
                                         times["stock", "mp"]["idle"][-1], 0.0, gets)
+                                sched = S.Scheduler(mode == "busy")
                                 with switch_interval(mode, args.switch_interval_ms):
-                                    t, res = r.prefetch(pages, S.Scheduler(mode == "busy"),
-                                                        args.timeout_s)
+                                    t, res = r.prefetch(pages, sched, args.timeout_s)
                                 r.finish(pages, res, f"{geom} {pages} {v} {kind} {mode}")
                                 times[v, kind][mode].append(t)
+                                if mode == "busy":
+                                    loop[v, kind].append(sched.rate())
                 for (v, kind), r in ranks.items():
-                    out[f"{geom}:{pages}:{kind}:{v}"] = dict(ratio(times[v, kind]),
+                    out[f"{geom}:{pages}:{kind}:{v}"] = dict(ratio(times[v, kind], loop[v, kind]),
                                                              wrong_pages=r.wrong,
                                                              checked_pages=r.checked)
             finally:
@@ -332,6 +341,8 @@ def main(argv=None) -> dict:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1)
 
+    # the busy loop's it/s with no storage work, beside each stack's in its busy rounds
+    res["loop_its_alone"] = S.loop_rate_alone()
     with tempfile.TemporaryDirectory(dir=args.store, prefix="hicache_mp-fastpath-") as root:
         res["dense"] = dense(sgl, args, root) if args.backends else {}
         save("dense")
@@ -339,13 +350,15 @@ def main(argv=None) -> dict:
         save("hybrid")
         if args.trace:
             res["trace"] = trace(sgl, args, root)
-    print("| stack | variant | idle ms | busy ms | busy ÷ idle | wrong pages |")
-    print("|---|---|---|---|---|---|")
+    print(f"busy loop alone: {res['loop_its_alone'] / 1e6:.2f} M it/s")
+    print("| stack | variant | idle ms | busy ms | busy ÷ idle | busy loop M it/s | wrong pages |")
+    print("|---|---|---|---|---|---|---|")
     for part in ("dense", "hybrid"):
         for key, r in res[part].items():
             name, v = key.rsplit(":", 1)
             print(f"| {part} {name} | {v} | {r['idle_ms']:.1f} | {r['busy_ms']:.1f} | "
-                  f"{r['busy_over_idle']:.2f} | {r['wrong_pages']} |")
+                  f"{r['busy_over_idle']:.2f} | {r['busy_loop_its'] / 1e6:.2f} | "
+                  f"{r['wrong_pages']} |")
     for label, t in res.get("trace", {}).items():
         if isinstance(t, dict) and "sglang_waits_per_batch" in t:
             print(f"{label} idle: SGLang's own waits per batch on its storage threads: "

@@ -91,6 +91,63 @@ class HandoffQueue(Queue):
                 self.taken.wait_for(lambda: self.taken_count != taken, self.handoff_wait_s)
 
 
+class StorageSwitchInterval:
+    """While a storage thread has a prefetch in hand, the interpreter's switch
+    interval is at most `interval_s`; a context manager, shared by every
+    controller of the process (the interval is the process's).
+
+    The fast path leaves one return to the GIL per backend wait: the wait
+    ends (pages read, a semaphore posted) and the storage thread needs the
+    GIL back from a scheduler loop that runs Python without pause. CPython
+    gives it only once the waiter has waited a switch interval (5 ms by
+    default), then asks the holder to drop it. That is 5 ms per batch, which
+    no backend can avoid from behind batch_get. With 0.5 ms while a prefetch
+    is in hand, the same return costs 0.5 ms. Outside that span the
+    interval is the process's own, so a scheduler with no storage work in
+    flight switches no more often than before; inside it, a switch happens
+    only when another thread wants the GIL, and those are the storage
+    threads whose wait is the request's latency.
+
+    The span is the whole of an operation's work on its thread, not only
+    the backend call: a waiter reads the interval when it starts waiting,
+    so the scheduler, made to drop the GIL, would otherwise take it back
+    after 0.5 ms and leave the storage thread to wait 5 ms again on its
+    next bytecode. A value the user set lower is kept; one changed while a
+    span is open is left as they set it.
+    """
+
+    interval_s = 0.0005
+    lock = threading.Lock()
+    inside = 0
+    saved = None
+    ours = None  # the interval as read back once set (CPython keeps whole microseconds)
+
+    def __enter__(self):
+        import sys
+
+        cls = StorageSwitchInterval
+        with cls.lock:
+            if cls.inside == 0:
+                cls.saved = sys.getswitchinterval()
+                if cls.saved > cls.interval_s:
+                    sys.setswitchinterval(cls.interval_s)
+                    cls.ours = sys.getswitchinterval()
+            cls.inside += 1
+        return self
+
+    def __exit__(self, *exc):
+        import sys
+
+        cls = StorageSwitchInterval
+        with cls.lock:
+            cls.inside -= 1
+            if cls.inside == 0:
+                if cls.ours is not None and sys.getswitchinterval() == cls.ours:
+                    sys.setswitchinterval(cls.saved)
+                cls.saved = cls.ours = None
+        return False
+
+
 class HiCacheStorageMethods:
     """Methods of sglang.srt.mem_cache.hicache_storage.HiCacheStorage."""
 
@@ -258,7 +315,8 @@ class HiCacheControllerMethods:
                 continue
             try:
                 if operation is not None:
-                    self._answer_hit_query(operation)
+                    with StorageSwitchInterval():
+                        self._answer_hit_query(operation)
             finally:
                 # _submit_hit_query answers inline only when nothing is left here.
                 self.prefetch_queue.task_done()
@@ -336,16 +394,17 @@ class HiCacheControllerMethods:
                 continue
             if operation is None:
                 continue
-            try:
-                self._page_transfer(operation)
-            finally:
-                self._publish_prefetch_ack(
-                    PrefetchAck(
-                        rid=operation.request_id,
-                        completed_req=True,
-                        operation=operation,
+            with StorageSwitchInterval():
+                try:
+                    self._page_transfer(operation)
+                finally:
+                    self._publish_prefetch_ack(
+                        PrefetchAck(
+                            rid=operation.request_id,
+                            completed_req=True,
+                            operation=operation,
+                        )
                     )
-                )
 
     def prefetch_sync_thread_func(self):
         """Acks are reduced and published by the I/O thread that makes them
@@ -609,6 +668,7 @@ class HybridCacheControllerMethods:
 # (SGLang module, class put in it, the class it goes before)
 CLASSES = (
     ("sglang.srt.managers.cache_controller", HandoffQueue, "HiCacheController"),
+    ("sglang.srt.managers.cache_controller", StorageSwitchInterval, "HiCacheController"),
 )
 
 # (SGLang module, class, holder, the stock method after which new methods go)
