@@ -23,14 +23,14 @@ timeout "${DENSE_S:-200}" python3 scripts/sglang_fastpath_bench.py --runs "$runs
   --file-round-mib "$file_mib" --geometries '' --no-trace --store /tmp \
   --json "$out/fastpath-dense.json" > "$out/fastpath-dense.log" 2>&1
 echo "== dense rc=$? in $((SECONDS - t1))s"
-grep "^| \|per batch\|GIL tracer\|Tensor.item\|wrong_pages" "$out/fastpath-dense.log" | head -n 40
+grep "^| \|busy loop alone\|per batch\|GIL tracer\|Tensor.item\|wrong_pages" "$out/fastpath-dense.log" | head -n 40
 grep -B2 -A8 "^Traceback" "$out/fastpath-dense.log" | tail -n 12
 t1=$SECONDS
 timeout "${HYBRID_S:-200}" python3 scripts/sglang_fastpath_bench.py --runs "$runs" \
   --backends '' --no-trace --store /tmp \
   --json "$out/fastpath-hybrid.json" > "$out/fastpath-hybrid.log" 2>&1
 echo "== hybrid rc=$? in $((SECONDS - t1))s"
-grep "^| \|wrong_pages" "$out/fastpath-hybrid.log" | head -n 40
+grep "^| \|busy loop alone\|wrong_pages" "$out/fastpath-hybrid.log" | head -n 40
 grep -B2 -A8 "^Traceback" "$out/fastpath-hybrid.log" | tail -n 12
 t1=$SECONDS
 # the busy GIL trace alone: 2 traced rounds of each variant's dense and hybrid mp stack
