@@ -10,8 +10,9 @@ Reads DIR/<what>-<before|after>-<n>.json as each bench writes it (--json):
             summary.wrong_pages (or, from an older harness, the mp backend's
             busy_over_idle and every backend's wrong_pages)
   vllm      hicache_mp/bench/vllm/tier.py: the busy hicache_mp rows' load GB/s
-            and loop rate (load.loop_iters / load.seconds), medians over the
-            run's repeats, and their wrong bytes
+            and loop rate (load.loop_iters / load.seconds), the loop ratio
+            (that rate over the no-I/O rate of the same round), medians over
+            the run's repeats, and their wrong bytes
 Each figure is read from whichever of the names a tree's bench used; a run
 with no JSON (timed out, failed) shows as "-".
 Usage: python3 scripts/device/before_after_summary.py DIR prefetch|stack|vllm
@@ -78,7 +79,12 @@ def vllm(d) -> dict:
 READ = {"prefetch": prefetch, "stack": stack, "vllm": vllm}
 # figures whose after/before is shown; the rest are shown per run only
 COMPARED = {"prefetch": ["mp busy/idle", "mp idle GB/s", "mp busy GB/s", "loop it/s (mp busy)"],
-            "stack": ["mp busy/idle"], "vllm": ["busy load GB/s", "loop it/s (busy load)"]}
+            "stack": ["mp busy/idle"],
+            # the loop ratio is the bench's own "loop" column: the loop's rate in
+            # the load phase over its no-I/O rate in the same round, so the box's
+            # drift within a call (11.8 -> 10.2 M it/s in one) cancels; the raw
+            # it/s carries that drift and is shown beside it
+            "vllm": ["busy load GB/s", "loop it/s (busy load)", "loop ratio"]}
 
 
 def fmt(v) -> str:
@@ -113,7 +119,8 @@ def main(argv=None) -> int:
         return 1
     keys = next((list(r) for r in runs.values()), COMPARED[what])
     w = max(len(k) for k in keys) + 2
-    print(f"== {what}: before (05859c4) vs after (this tree), {len(ns)} interleaved pair(s)")
+    print(f"== {what}: before (05859c4) vs after (this tree), {len(ns)} interleaved pair(s),"
+          " the order alternating (b a, a b, ...)")
     print(f"{'figure':<{w}}" + "".join(f"{f'b#{n}':>10}{f'a#{n}':>10}" for n in ns)
           + f"{'med b':>10}{'med a':>10}{'a/b':>8}")
     bad = False

@@ -33,7 +33,7 @@
 #            fs rows took 8 of every 9 seconds and are not compared).
 # The before tree travels as a tar (made with
 # `mkdir -p .before && git archive 05859c4 > .before/before.tar`; .before/ is
-# ignored: carry it).
+# ignored: carry it). Pairs alternate their order (b a, a b, b a, ...).
 #
 # Dependencies: prefetch needs posix_ipc (the wheel in .whl/); stack sources
 # scripts/device/device_deps.sh (.whl/: SGLang stripped and its wheels); vllm
@@ -194,7 +194,13 @@ one() {  # tree label n
   # a call cut off later still brings back the runs so far
   [ "$out" = "$dest" ] || tar -czf "$dest/$what-runs.tar.gz" -C "$out" .
 }
-for n in $(seq 1 "$runs"); do one "$before" before "$n"; one "$after" after "$n"; done
+# pairs alternate their order (before-after, then after-before, ...): the box
+# drifts within a call (the vLLM loop's no-I/O rate fell 11.8 -> 10.2 M/s over
+# one), and a fixed order would hand all of that drift to one tree
+for n in $(seq 1 "$runs"); do
+  if [ $((n % 2)) = 1 ]; then one "$before" before "$n"; one "$after" after "$n"
+  else one "$after" after "$n"; one "$before" before "$n"; fi
+done
 rm -rf /tmp/ba_store_before /tmp/ba_store_after "$before"
 
 python3 scripts/device/before_after_summary.py "$out" "$what" | tee "$dest/$what-summary.txt"
