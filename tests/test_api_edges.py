@@ -1,6 +1,7 @@
 """API edges (issue 11, item 9): close() from another thread, timeouts, the
 default policy the README's loop relies on, a store path that cannot be made."""
 import contextlib
+import errno
 import math
 import os
 import signal
@@ -8,11 +9,12 @@ import subprocess
 import sys
 import threading
 
+import psutil
 import pytest
 
 from hicache_mp import EngineClosed, EngineConfig
 
-from faultkit import resume_when_told_to_stop, settle
+from faultkit import resume_when_told_to_stop, run_child, settle
 from helpers import engine, fill, geometry, random_pages
 
 
@@ -105,6 +107,48 @@ def test_bench_on_a_storage_dir_that_cannot_be_made_prints_one_line(tmp_path):
     assert len(lines) == 1 and "--storage-dir" in lines[0] and "Not a directory" in lines[0], \
         out.stderr
     assert "Traceback" not in out.stderr
+
+
+def _store_dir_refused(path: str, reason: str) -> None:
+    """The engine refuses `path` with one error that names the setting, the
+    path, the reason and the fix, before any worker or segment exists."""
+    from shm.names import list_ours
+    from workers.store import StoreDirError
+    before = set(list_ours())
+    with pytest.raises(StoreDirError) as caught:
+        engine(path, pages=4, workers=1)
+    msg = str(caught.value)
+    assert isinstance(caught.value, OSError) and isinstance(caught.value, ValueError)
+    assert "storage_dir" in msg and repr(path) in msg and reason in msg, msg
+    assert "a directory this user can create and write" in msg, msg
+    assert set(list_ours()) == before and not psutil.Process().children(), msg
+
+
+def test_a_store_dir_that_cannot_be_made_is_one_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    _store_dir_refused(str(blocker), os.strerror(errno.ENOTDIR))      # a file
+    _store_dir_refused(str(blocker / "store"), os.strerror(errno.ENOTDIR))  # under a file
+    _store_dir_refused("/proc/hicache-mp-store", os.strerror(errno.ENOENT))  # no dirs there
+    assert not os.path.exists("/proc/hicache-mp-store")
+
+
+UNCREATABLE_BODY = """
+from workers.store import StoreDirError
+from faultkit import make
+try:
+    make(args[0], pages=4, workers=1)
+except StoreDirError as exc:
+    result["error"] = [exc.errno, str(exc)]
+"""
+
+
+def test_a_store_dir_this_user_cannot_create_is_one_clear_error(tmp_path):
+    parent = tmp_path / "locked"
+    parent.mkdir(mode=0o500)
+    got = run_child(UNCREATABLE_BODY, str(parent / "store"))
+    assert got["error"][0] == errno.EACCES, got
+    assert "storage_dir" in got["error"][1] and os.strerror(errno.EACCES) in got["error"][1]
 
 
 def test_config_timeout_may_be_infinite_and_nothing_else_odd(store):

@@ -1,8 +1,9 @@
 """The page-store seam: what a worker, the evictor, the index and clear() may ask of a store.
 
 Owns the interface (`PageStore`), the settings a store's I/O follows
-(`StoreIO`), the free-space helper, the `storage_dir` syntax and the
-mode of a store's directories. Must not know about rings, ops, the pool
+(`StoreIO`), the free-space helper, the `storage_dir` syntax, the
+mode of a store's directories and the error for one that cannot be made
+(`StoreDirError`). Must not know about rings, ops, the pool
 layout or torch, nor which stores exist (workers.stores, the factory, names
 them and imports this module): a store moves one page between iovecs and its
 medium and says how that went, as a status code (workers.status).
@@ -28,6 +29,7 @@ worker may pause it while reads wait (a store that writes whole ignores it). An 
 
 A store is opened by `workers.stores.open_store(storage_dir, io)`.
 """
+import errno
 import os
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -63,6 +65,28 @@ class Scan(NamedTuple):
     temps: tuple = ()    # ((file name, size), ...): the temp files in total_bytes
 
 
+class StoreDirError(OSError, ValueError):
+    """A store directory that cannot be made: the path is a file, lies under a
+    file, or sits where this user (or the filesystem) allows no directory.
+
+    Raised when the engine opens its store, before any worker or segment
+    exists, naming the setting, the path, the reason and the fix. An OSError
+    (its errno is the cause's) and a ValueError too, as ShmFullError is: a
+    setting that cannot work here, refused as a bad value is."""
+
+    def __init__(self, path: str, cause: OSError):
+        code = cause.errno
+        if os.path.lexists(path) and not os.path.isdir(path):
+            code = errno.ENOTDIR  # makedirs says "File exists", which hides the cause
+        reason = os.strerror(code) if code else str(cause)
+        self.path, self.reason = path, reason
+        super().__init__(code, f"storage_dir {path!r} cannot be used as a page store directory: "
+                               f"{reason}. Fix: set storage_dir "
+                               f"(\"storage_dir\" in the framework's extra config, or "
+                               f"--storage-dir) to a directory this user can create and write, "
+                               f"or create it beforehand")
+
+
 class PageStore:
     roots: list
 
@@ -91,9 +115,16 @@ class PageStore:
         return [self]
 
     def create(self) -> None:
-        """Make the store's directories (owner-only) if they are missing."""
+        """Make the store's directories (owner-only) if they are missing;
+        StoreDirError for one that cannot be made. A directory that exists but
+        cannot be written is left to serve reads (decision 49): its writes end
+        `denied`, one at a time."""
         for root in self.roots:
-            os.makedirs(root, mode=DIR_MODE, exist_ok=True)
+            try:
+                os.makedirs(root, mode=DIR_MODE, exist_ok=True)
+            except OSError as exc:
+                raise StoreDirError(root, exc) from None
+
 
 
 def free_bytes(path: str) -> int | None:
