@@ -7,6 +7,8 @@ TransferJob and answers its JobResult. The engine's workers are real
 processes reading and writing real page files straight into that mmap.
 """
 import importlib.util
+import json
+import logging
 import os
 import signal
 import time
@@ -73,11 +75,37 @@ def test_vllms_factory_and_spec_build_the_tier(store):
     ({"num_workers": -1}, "num_workers"),
     ({"drain_timeout_s": 0}, "drain_timeout_s"),
     ({"storage_dir": ""}, "storage_dir"),
+    ({"storage_dir": '["/tmp/a", '}, "not a JSON list"),
+    ({"storage_dir": '["/tmp/a", 5]'}, "list of directory names"),
+    ({"storage_dir": "/tmp/a,,/tmp/b"}, "empty entry"),
 ])
 def test_bad_tier_config_is_refused_before_anything_starts(store, bad, why):
     with pytest.raises(ValueError, match=why):
         with tiering([ours(store, **bad)], rows=4):
             pass
+
+
+def test_storage_dir_as_a_json_list_string_and_relative(tmp_path, monkeypatch, caplog):
+    """docs/vllm.md: storage_dir may be a JSON list, and a front end may pass
+    it as a string: its directories are used, never one literally named
+    '["...'. A relative directory is resolved against the current directory
+    (one INFO line), so the workers get the absolute path."""
+    caplog.set_level(logging.INFO, logger="hicache_mp.vllm")
+    dirs = [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")]
+    monkeypatch.chdir(tmp_path)
+    spec = json.dumps([dirs[0], "nvme1"])
+    with tiering([ours(spec)], rows=8) as (_, manager):
+        tier = manager.secondary_tiers[0]
+        assert tier.engine.config.storage_dir == ",".join(dirs)
+        view = rows_of(tier)
+        fill(view, range(4), seed=4)
+        tier.submit_store(job(1, [key(i) for i in range(4)], range(4), load=False))
+        assert finish(tier, [1])[1].success
+        del view
+    assert sorted(os.listdir(tmp_path)) == ["nvme0", "nvme1"]
+    assert sum(len(f) for d in dirs for _, _, f in os.walk(d)) == 4
+    said = [r.getMessage() for r in caplog.records if "relative" in r.getMessage()]
+    assert len(said) == 1 and dirs[1] in said[0], said
 
 
 def test_store_then_lookup_then_load_byte_exact(store):

@@ -50,7 +50,7 @@ from workers.stores import open_store
 from ...engine import PrefetchEngine
 from ...engine.config import EngineConfig
 from ..common import CallStats, check_known, engine_config, leading, model_identity, \
-    own_settings, wait_or_abandon
+    own_settings, store_dirs, wait_or_abandon
 from .hybrid import HybridPools, SidecarRefused
 from .indices import host_pages
 from .names import SGLangShard
@@ -163,7 +163,7 @@ class HiCacheMP(HiCacheStorage):
         self.shard = SGLangShard.from_storage_config(storage_config,
                                                      server_identity(storage_config, self.extra))
         self.is_mla = self.shard.is_mla
-        self.storage_dir = storage_dir(self.extra)
+        self.storage_dir = store_dirs(storage_dir(self.extra), log=log)
         self.own = own_settings(AdapterConfig, self.extra)
         self.io_timeout_s = None if math.isinf(self.own.io_timeout_s) else self.own.io_timeout_s
         unknown = check_known(self.extra, self.known_keys())

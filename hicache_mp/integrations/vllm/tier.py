@@ -53,7 +53,8 @@ from workers import status as st
 from ...engine import EngineClosed, PrefetchEngine
 from ...engine.config import parse_value, setting, settings
 from ..common import RegionNotShared, check_known, engine_config, engine_key, engine_keys, \
-    file_region, model_identity, open_region, own_settings, settable_keys, wait_or_abandon
+    file_region, model_identity, open_region, own_settings, settable_keys, store_dirs, \
+    wait_or_abandon
 from .api import JobResult, Locality, LookupResult, Medium, OffloadingEvent, \
     RequestOffloadingContext, SecondaryTierManager, TransferJob
 from .lookup import Lookups
@@ -128,8 +129,7 @@ class HiCacheMPTier(SecondaryTierManager):
         if not storage_dir:
             raise ValueError('hicache_mp vLLM tier: "storage_dir" is required (a directory, '
                              'a comma-separated list of them, or a list)')
-        if isinstance(storage_dir, (list, tuple)):
-            storage_dir = ",".join(str(d) for d in storage_dir)
+        storage_dir = store_dirs(storage_dir, log=log, who="hicache_mp vLLM tier")
         self.own = own_settings(TierSettings, options)
         self.locality = Locality(locality) if locality is not None else None
         self.events = [] if enable_kv_events and getattr(
