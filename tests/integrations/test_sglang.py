@@ -342,6 +342,29 @@ def test_a_storage_dir_list_stripes_and_clear_empties_every_directory(attach, tm
     assert not any(f.endswith(".page") for d in dirs for _, _, fs in os.walk(d) for f in fs)
 
 
+def test_storage_dir_empty_is_refused_relative_is_resolved(attach, tmp_path, monkeypatch,
+                                                          caplog):
+    """"storage_dir": "" is a ValueError (as vLLM's tier says), not a silent
+    /tmp/hicache_mp; a relative one is resolved against the current directory
+    (one INFO line) and the workers get the absolute path; a JSON list in a
+    string names its directories."""
+    with pytest.raises(ValueError, match="storage_dir"):
+        attach(store="")
+    caplog.set_level(logging.INFO, logger="hicache_mp.sglang")
+    monkeypatch.chdir(tmp_path)
+    backend, pool = attach(store="rel/store")
+    want = str(tmp_path / "rel" / "store")
+    assert backend.storage_dir == want and backend.engine.config.storage_dir == want
+    fill_random(pool, [0], seed=2)
+    assert backend.batch_set_v1(["r0"], pool.token_indices([0])) == [True]
+    assert sum(len(f) for _, _, f in os.walk(want)) == 1
+    said = [r.getMessage() for r in caplog.records if "relative" in r.getMessage()]
+    assert len(said) == 1 and want in said[0], said
+    listed, _ = attach(store='["a", "%s"]' % (tmp_path / "b"))
+    assert listed.engine.config.storage_dir == f"{tmp_path / 'a'},{tmp_path / 'b'}"
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("[")]
+
+
 def test_storage_keys_in_the_extra_config_reach_the_engine(attach):
     backend, pool = attach(storage_max_bytes="64M", storage_min_free_bytes=1 << 20,
                            io_depth=2, backup_budget_pages=4, direct_io="off",

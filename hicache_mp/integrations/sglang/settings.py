@@ -59,8 +59,13 @@ def known_keys() -> frozenset:
     return SGLANG_OWN_KEYS | settable_keys(AdapterConfig)
 
 
-def storage_dir(extra: dict) -> str:
-    """`storage_dir`, else SGLang's `file_storage_path`, else
-    $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else DEFAULT_STORAGE_DIR."""
-    return (extra.get("storage_dir") or extra.get("file_storage_path")
+def storage_dir(extra: dict):
+    """`storage_dir` as given, else SGLang's `file_storage_path`, else
+    $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else DEFAULT_STORAGE_DIR. A
+    `storage_dir` that is present is returned even when empty, for the caller
+    to refuse (common.store_dirs): "" is a mistake, never "the default"; only
+    an absent key (or null) means the default."""
+    if extra.get("storage_dir") is not None:
+        return extra["storage_dir"]
+    return (extra.get("file_storage_path")
             or os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR") or DEFAULT_STORAGE_DIR)
