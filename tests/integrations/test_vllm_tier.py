@@ -6,12 +6,15 @@ file in /dev/shm) and primary_kv_view is its memoryview; jobs are vLLM's
 TransferJob and answers its JobResult. The engine's workers are real
 processes reading and writing real page files straight into that mmap.
 """
+import contextlib
+import dataclasses
 import importlib.util
 import json
 import logging
 import os
 import signal
 import time
+import uuid
 
 import numpy as np
 import pytest
@@ -27,8 +30,8 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 from hicache_mp.integrations.vllm import HiCacheMPTier  # noqa: E402
 from storagekit import store_bytes  # noqa: E402
-from vllm_tiers import OURS, STEP, fill, finish, job, key, region_path, resolve, rows_of, \
-    tiering  # noqa: E402
+from vllm_tiers import OURS, STEP, fill, finish, job, key, offloading_config, region_path, \
+    resolve, rows_of, tiering  # noqa: E402
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 ROW = 64 << 10
@@ -78,6 +81,7 @@ def test_vllms_factory_and_spec_build_the_tier(store):
     ({"storage_dir": '["/tmp/a", '}, "not a JSON list"),
     ({"storage_dir": '["/tmp/a", 5]'}, "list of directory names"),
     ({"storage_dir": "/tmp/a,,/tmp/b"}, "empty entry"),
+    ({"enable_kv_events": "maybe"}, '"enable_kv_events": expected a boolean'),
 ])
 def test_bad_tier_config_is_refused_before_anything_starts(store, bad, why):
     with pytest.raises(ValueError, match=why):
@@ -106,6 +110,30 @@ def test_storage_dir_as_a_json_list_string_and_relative(tmp_path, monkeypatch, c
     assert sum(len(f) for d in dirs for _, _, f in os.walk(d)) == 4
     said = [r.getMessage() for r in caplog.records if "relative" in r.getMessage()]
     assert len(said) == 1 and dirs[1] in said[0], said
+
+
+@pytest.mark.parametrize("value, on", [(True, True), ("true", True), ("false", False),
+                                       ("no", False), (0, False)])
+def test_enable_kv_events_is_parsed_as_a_boolean(store, value, on):
+    """With vLLM's kv-cache events on, "false" and "no" keep the tier's events
+    off (a plain truth test turned them on); a stored block is one event."""
+    engine_id = f"hicache-test-{uuid.uuid4().hex[:8]}"
+    cfg = dataclasses.replace(offloading_config(engine_id, ROW, 4, [
+        ours(store, enable_kv_events=value)]), enable_kv_cache_events=True)
+    manager = TieringOffloadingSpec(cfg).get_manager()
+    try:
+        tier = manager.secondary_tiers[0]
+        assert (tier.events is not None) is on
+        view = rows_of(tier)
+        fill(view, [0], seed=5)
+        del view
+        tier.submit_store(job(1, [key(7)], [0], load=False))
+        assert finish(tier, [1])[1].success
+        assert len(list(tier.take_events())) == int(on)
+    finally:
+        manager.shutdown()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(region_path(engine_id))
 
 
 def test_store_then_lookup_then_load_byte_exact(store):

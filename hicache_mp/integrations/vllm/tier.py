@@ -51,7 +51,7 @@ from shm import PageGeometry, gilkeep
 from workers import status as st
 
 from ...engine import EngineClosed, PrefetchEngine
-from ...engine.config import parse_value, setting, settings
+from ...engine.config import parse_bool, parse_value, setting, settings
 from ..common import RegionNotShared, check_known, engine_config, engine_key, engine_keys, \
     file_region, model_identity, open_region, own_settings, settable_keys, store_dirs, \
     wait_or_abandon
@@ -88,6 +88,14 @@ class TierSettings:
 # module_path and backpressure; locality is also passed on to the tier).
 VLLM_OWN_KEYS = frozenset({"type", "module_path", "backpressure"})
 TIER_KEYS = frozenset({"storage_dir", "locality", "enable_kv_events"})
+
+
+def tier_flag(key: str, value) -> bool:
+    """A boolean key of the tier dict, parsed as the engine's are (engine.config.parse_bool)."""
+    try:
+        return parse_bool(value)
+    except ValueError as exc:
+        raise ValueError(f'hicache_mp vLLM tier: "{key}": {exc}') from None
 
 
 def row_geometry(row_bytes: int) -> PageGeometry:
@@ -132,7 +140,8 @@ class HiCacheMPTier(SecondaryTierManager):
         storage_dir = store_dirs(storage_dir, log=log, who="hicache_mp vLLM tier")
         self.own = own_settings(TierSettings, options)
         self.locality = Locality(locality) if locality is not None else None
-        self.events = [] if enable_kv_events and getattr(
+        # parsed as every boolean key is: the string "false" is truthy
+        self.events = [] if tier_flag("enable_kv_events", enable_kv_events) and getattr(
             offloading_spec.kv_events_config, "enable_kv_cache_events", False) else None
         self.row_bytes = self.block_size_bytes
         self.num_chunks = int(primary_kv_view.shape[0])
