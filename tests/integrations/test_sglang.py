@@ -157,6 +157,18 @@ def test_fallback_stages_copies_and_warns_once(attach, caplog, layout, allocator
     assert "layer_first or page_first_direct" in warnings[0].getMessage()
 
 
+def test_zero_copy_off_by_setting_warns_without_telling_how_to_turn_it_on(attach, caplog):
+    """"zero_copy": false is the user's choice: the warning names it and does not
+    tell them how to get zero-copy (the allocator/layout hint is for pools that
+    cannot have it)."""
+    caplog.set_level(logging.WARNING, logger="hicache_mp.sglang")
+    backend, _ = attach(zero_copy=False)
+    assert not backend.zero_copy
+    warnings = [r.getMessage() for r in caplog.records if "not zero-copy" in r.getMessage()]
+    assert len(warnings) == 1 and '"zero_copy": false' in warnings[0], warnings
+    assert "For zero-copy" not in warnings[0] and '"allocator":"shm"' not in warnings[0]
+
+
 def test_layouts_share_one_store(attach, store):
     """Files are canonical: pages backed up from a page_first (staged) pool read
     zero-copy into page_first_direct and layer_first pools, and back."""

@@ -82,6 +82,7 @@ def test_vllms_factory_and_spec_build_the_tier(store):
     ({"storage_dir": '["/tmp/a", 5]'}, "list of directory names"),
     ({"storage_dir": "/tmp/a,,/tmp/b"}, "empty entry"),
     ({"enable_kv_events": "maybe"}, '"enable_kv_events": expected a boolean'),
+    ({"locality": "bogus"}, '"locality" \'bogus\' is not one of \\[\'LOCAL\', \'REMOTE\'\\]'),
 ])
 def test_bad_tier_config_is_refused_before_anything_starts(store, bad, why):
     with pytest.raises(ValueError, match=why):

@@ -191,7 +191,8 @@ class HiCacheMP(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         self.close()  # a re-attach replaces the engine
         g, why = zero_copy_plan(mem_pool_host, self.is_mla)
-        if g is not None and not self.own.zero_copy:
+        chosen = g is not None and not self.own.zero_copy  # the user's setting, not a limit
+        if chosen:
             g, why = None, '"zero_copy": false in the extra-config'
         if g is not None:
             self.engine = self._start(self._config(int(mem_pool_host.page_num)), g,
@@ -207,8 +208,8 @@ class HiCacheMP(HiCacheStorage):
                                                       self.geometry, why=why))
         self.engine = self._staging.engine
         log.warning("hicache_mp: not zero-copy: %s; pages are staged through an engine-owned "
-                    "shared-memory pool and copied (one extra copy per page). %s.",
-                    why, HOW_TO_ZERO_COPY)
+                    "shared-memory pool and copied (one extra copy per page)%s", why,
+                    "." if chosen else f". {HOW_TO_ZERO_COPY}.")
 
     # --- v2: hybrid models' sidecar pools (hybrid.HybridPools) ------------------
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:

@@ -98,6 +98,17 @@ def tier_flag(key: str, value) -> bool:
         raise ValueError(f'hicache_mp vLLM tier: "{key}": {exc}') from None
 
 
+def tier_locality(value):
+    """vLLM's Locality for the tier dict's `locality` (None: not set)."""
+    if value is None:
+        return None
+    try:
+        return Locality(value)
+    except ValueError:
+        raise ValueError(f'hicache_mp vLLM tier: "locality" {value!r} is not one of '
+                         f"{[m.value for m in Locality]}") from None
+
+
 def row_geometry(row_bytes: int) -> PageGeometry:
     """One engine page per vLLM CPU-tier row: `row_bytes` opaque bytes."""
     return PageGeometry(num_layers=1, num_kv_heads=1, head_dim=int(row_bytes), page_size=1,
@@ -139,7 +150,7 @@ class HiCacheMPTier(SecondaryTierManager):
                              'a comma-separated list of them, or a list)')
         storage_dir = store_dirs(storage_dir, log=log, who="hicache_mp vLLM tier")
         self.own = own_settings(TierSettings, options)
-        self.locality = Locality(locality) if locality is not None else None
+        self.locality = tier_locality(locality)
         # parsed as every boolean key is: the string "false" is truthy
         self.events = [] if tier_flag("enable_kv_events", enable_kv_events) and getattr(
             offloading_spec.kv_events_config, "enable_kv_cache_events", False) else None
