@@ -292,6 +292,13 @@ def test_stats_clear_close(attach, store):
     assert not any(f.endswith(".page") for _, _, fs in os.walk(store) for f in fs)
     backend.close()
     backend.close()  # idempotent
+    # every call after close() says the backend is closed, not "never registered"
+    for call in (lambda: backend.batch_exists(["s0"]),
+                 lambda: backend.batch_get_v1(["s0"], pool.token_indices([2])),
+                 lambda: backend.batch_set_v1(["s0"], pool.token_indices([2])),
+                 lambda: backend.batch_get(["s0"]), lambda: backend.exists("s0")):
+        with pytest.raises(RuntimeError, match="backend is closed"):
+            call()
 
 
 def test_hicache_mp_never_imports_sglang():

@@ -173,6 +173,7 @@ class HiCacheMP(HiCacheStorage):
                         ", ".join(sorted(self.known_keys())))
         self.mem_pool_host = None
         self.engine: PrefetchEngine | None = None
+        self._closed = False          # close() ran: calls say so, not "not registered"
         # hit_query_at_once's answer, kept for the query that follows on its
         # thread: (thread, keys, {key: position}, leading count)
         self._at_once: tuple | None = None
@@ -190,6 +191,7 @@ class HiCacheMP(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
         self.close()  # a re-attach replaces the engine
+        self._closed = False
         g, why = zero_copy_plan(mem_pool_host, self.is_mla)
         chosen = g is not None and not self.own.zero_copy  # the user's setting, not a limit
         if chosen:
@@ -261,6 +263,10 @@ class HiCacheMP(HiCacheStorage):
                                            why=why)) from None
 
     def _need_engine(self) -> PrefetchEngine:
+        if self.engine is None and self._closed:
+            raise RuntimeError("hicache_mp: this storage backend is closed (close() was called: "
+                               "SGLang detached it or is shutting down); attach a new backend "
+                               "to use storage again")
         if self.engine is None:
             raise RuntimeError("hicache_mp: register_mem_pool_host() has not been called "
                                "(SGLang calls it right after constructing the backend)")
@@ -487,6 +493,7 @@ class HiCacheMP(HiCacheStorage):
         for eng in self._engines():
             eng.close(flush=True)
         self.engine, self._staging, self.zero_copy = None, None, False
+        self._closed = True
 
     def __del__(self):
         try:
