@@ -4,7 +4,8 @@ Owns the one rule that turns a caller's key into a file path: the path comes
 from sha256(namespace, key), fanned out over two directory levels, so a key is
 never used as a path (no traversal) and no directory holds millions of entries;
 and where that rule puts page files (`fanout_dirs`, the directories a scan
-walks). Must not open or judge page files.
+walks), and the refusal of a key no file can be named after (`KeyRefused`).
+Must not open or judge page files.
 """
 import hashlib
 import os
@@ -32,22 +33,29 @@ def namespace(model: str, geometry_fingerprint: bytes, *, tp_rank: int = 0, tp_s
     return f"{model}|tp{tp_rank}of{tp_size}|{geometry_fingerprint.hex()}|{extra}"
 
 
+class KeyRefused(ValueError):
+    """A key the store cannot name a file after (too long, empty, '/', '..',
+    NUL, not str/bytes). Its own class so that a framework adapter can answer
+    a scheduler's call about such a key as a miss or a failed store, where any
+    other ValueError is a bug to surface."""
+
+
 def check_key(key) -> bytes:
-    """Return the key's bytes, or raise ValueError for a key we refuse."""
+    """Return the key's bytes, or raise KeyRefused for a key we refuse."""
     if isinstance(key, str):
         raw = key.encode()
     elif isinstance(key, (bytes, bytearray)):
         raw = bytes(key)
     else:
-        raise ValueError(f"a key must be str or bytes, got {type(key).__name__}")
+        raise KeyRefused(f"a key must be str or bytes, got {type(key).__name__}")
     if not raw:
-        raise ValueError("empty key")
+        raise KeyRefused("empty key")
     if len(raw) > MAX_KEY_BYTES:
-        raise ValueError(f"key of {len(raw)} bytes is longer than {MAX_KEY_BYTES}")
+        raise KeyRefused(f"key of {len(raw)} bytes is longer than {MAX_KEY_BYTES}")
     # Byte tests, no decode and no generator: this runs on the scheduler's
     # thread for every key it has not asked about before.
     if b".." in raw or b"/" in raw or b"\\" in raw or b"\0" in raw:
-        raise ValueError(f"key {key!r} contains '/', '\\\\', '..' or NUL")
+        raise KeyRefused(f"key {key!r} contains '/', '\\\\', '..' or NUL")
     return raw
 
 

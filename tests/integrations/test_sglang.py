@@ -169,6 +169,34 @@ def test_zero_copy_off_by_setting_warns_without_telling_how_to_turn_it_on(attach
     assert "For zero-copy" not in warnings[0] and '"allocator":"shm"' not in warnings[0]
 
 
+@pytest.mark.parametrize("allocator", ["shm", "default"])  # zero-copy and staged
+def test_a_key_too_long_for_a_file_name_is_a_miss_never_an_exception(attach, caplog, allocator):
+    """A key the store refuses (longer than 4096 bytes) ends as the adapter's
+    normal failure: not stored, a miss for get and exists; no exception
+    reaches SGLang's scheduler, no byte of the pool changes, one warning."""
+    caplog.set_level(logging.WARNING, logger="hicache_mp.sglang")
+    backend, pool = attach(allocator=allocator)
+    long_key = "L" * 5000
+    fill_random(pool, [0, 1], seed=8)
+    assert backend.batch_set_v1([long_key], pool.token_indices([0])) == [False]
+    assert backend.batch_set_v1(["ok0", long_key], pool.token_indices([0, 1])) == [False, False]
+    pool.kv_buffer[..., :] = 3
+    assert backend.batch_get_v1([long_key], pool.token_indices([4])) == [False]
+    assert backend.batch_get_v1(["ok0", long_key], pool.token_indices([4, 5])) == [False, False]
+    assert bool((pool.kv_buffer == 3).all())
+    assert backend.batch_exists([long_key]) == 0 and backend.exists(long_key) is False
+    assert backend.batch_exists(["ok0", long_key]) == 0
+    assert backend.hit_query_at_once([long_key]) is False
+    assert backend.batch_get([long_key]) == [None] and backend.batch_set([long_key], [
+        pool.get_data_page(0, flat=True)]) is False
+    said = [r.getMessage() for r in caplog.records if "refuses" in r.getMessage()]
+    assert len(said) == 1 and "longer than 4096" in said[0], said
+    want = fill_random(pool, [2], seed=9)    # the backend goes on
+    assert backend.batch_set_v1(["ok1"], pool.token_indices([2])) == [True]
+    assert backend.batch_get_v1(["ok1"], pool.token_indices([6])) == [True]
+    assert torch.equal(pool.get_data_page(6 * pool.page_size), want[0])
+
+
 def test_layouts_share_one_store(attach, store):
     """Files are canonical: pages backed up from a page_first (staged) pool read
     zero-copy into page_first_direct and layer_first pools, and back."""

@@ -23,7 +23,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed; install it with "
                 "`pip install --no-deps -r .ci/vllm-requirements.txt`", allow_module_level=True)
 
-from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.tiering.backpressure import EMABackpressureDetector  # noqa: E402
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
@@ -217,6 +217,37 @@ def test_misses(store):
         assert not res.success and res.successful_keys is None
         assert tier.engine.metrics()["misses"] == 3
         del view
+
+
+def test_a_key_too_long_for_a_file_name_fails_cleanly(store, caplog):
+    """vLLM's keys are hex text to the engine; one too long for a file name
+    (over 4096 bytes) is a miss for lookup and a failed store or load job, with
+    a warning, never an exception into vLLM's scheduler; other jobs go on."""
+    caplog.set_level(logging.WARNING, logger="hicache_mp.vllm")
+    long_key = make_offload_key(b"\x00/.." * 750, 0)   # 3004 bytes: 6008 as hex
+    with tiering([ours(store)], rows=8) as (_, manager):
+        tier = manager.secondary_tiers[0]
+        view = rows_of(tier)
+        data = fill(view, [0, 1], seed=6)
+        for _ in range(2):
+            assert tier.lookup(long_key, ReqContext(req_id="r")) == MISS
+        tier.submit_store(job(1, [long_key], [0], load=False))
+        tier.submit_store(job(2, [key(1), long_key], [1, 0], load=False))
+        tier.submit_store(job(3, [key(2)], [1], load=False))
+        tier.on_schedule_end(STEP)
+        got = finish(tier, [1, 2, 3])
+        assert not got[1].success and not got[2].success and got[3].success
+        view[4:6] = 9
+        tier.submit_load(job(4, [long_key], [4], load=True))
+        tier.submit_load(job(5, [key(2)], [5], load=True))
+        tier.on_schedule_end(STEP)
+        got = finish(tier, [4, 5])
+        assert not got[4].success and not got[4].successful_keys and got[5].success
+        assert (view[4] == 9).all() and np.array_equal(view[5], data[1])
+        del view
+    said = [r.getMessage() for r in caplog.records if "refuses" in r.getMessage()
+            or "longer than 4096" in r.getMessage()]
+    assert 1 <= len(said) <= 3 and all("longer than 4096" in m for m in said), said
 
 
 def test_one_steps_jobs_answer_each_for_itself(store):

@@ -45,6 +45,7 @@ import torch
 from shm import PageGeometry, gilkeep
 from shm.segment import SHM_SIZE_FIX, ShmFullError
 from workers import status as st
+from workers.naming import KeyRefused
 from workers.stores import open_store
 
 from ...engine import PrefetchEngine
@@ -286,7 +287,11 @@ class HiCacheMP(HiCacheStorage):
         n = self._answered_at_once(keys)
         if n is not None:
             return n
-        return self._need_engine().exists(keys, wait_s=self.own.probe_wait_s)
+        eng = self._need_engine()
+        try:
+            return eng.exists(keys, wait_s=self.own.probe_wait_s)
+        except KeyRefused as exc:
+            return self._refused(exc, "batch_exists", 0)
 
     def _answered_at_once(self, keys) -> int | None:
         """The count hit_query_at_once found for `keys` (the whole list it was
@@ -315,7 +320,10 @@ class HiCacheMP(HiCacheStorage):
         if self.engine is None or not keys:
             return False
         keys = list(keys)
-        n = self.engine.exists_at_once(keys)
+        try:
+            n = self.engine.exists_at_once(keys)
+        except KeyRefused:
+            return False  # batch_exists, on the prefetch thread, answers (and logs) it
         if n is None:
             return False
         # The query that follows on this thread is answered from this pass
@@ -334,6 +342,13 @@ class HiCacheMP(HiCacheStorage):
         keys = list(keys)
         if not keys:
             return []
+        try:
+            return self._v1_keys(keys, host_indices, write)
+        except KeyRefused as exc:   # checked before any page moves
+            return self._refused(exc, "batch_set_v1" if write else "batch_get_v1",
+                                 [False] * len(keys))
+
+    def _v1_keys(self, keys, host_indices, write: bool) -> list[bool]:
         pages = self.host_pages(keys, host_indices)
         if self.zero_copy:
             return self.finish(*self.start(keys, pages, write))
@@ -413,7 +428,10 @@ class HiCacheMP(HiCacheStorage):
         self._need_engine()
         stg = self._staging_path()
         t0 = time.perf_counter()
-        out = stg.read_flat(keys, target_locations)
+        try:
+            out = stg.read_flat(keys, target_locations)
+        except KeyRefused as exc:
+            return self._refused(exc, "batch_get", [None] * len(keys))
         self._record("prefetch", sum(t is not None for t in out), t0)
         return out
 
@@ -429,7 +447,10 @@ class HiCacheMP(HiCacheStorage):
         self._need_engine()
         stg = self._staging_path()
         t0 = time.perf_counter()
-        ok_all = stg.write_flat(keys, values)
+        try:
+            ok_all = stg.write_flat(keys, values)
+        except KeyRefused as exc:
+            return self._refused(exc, "batch_set", False)
         self._record("backup", len(keys) if ok_all else 0, t0)
         return ok_all
 
@@ -471,6 +492,14 @@ class HiCacheMP(HiCacheStorage):
         self.stats.record(kind, pages, time.perf_counter() - t0,
                           self.geometry.page_bytes if self.geometry else 0,
                           counter="get_calls" if kind == "prefetch" else "set_calls")
+
+    def _refused(self, exc: KeyRefused, call: str, answer):
+        """SGLang's answer for a call naming a key no page file can have: a miss
+        or a page not stored (the scheduler must never see the exception; real
+        keys are short hex digests), logged once."""
+        self._warn_once("key", f"hicache_mp: {call} named a key the store refuses ({exc}); "
+                               f"answered as a miss / not stored (later ones are not logged)")
+        return answer
 
     def _warn_once(self, cause: str, msg: str) -> None:
         if cause not in self._warned:

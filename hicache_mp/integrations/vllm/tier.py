@@ -49,6 +49,7 @@ import numpy as np
 
 from shm import PageGeometry, gilkeep
 from workers import status as st
+from workers.naming import KeyRefused
 
 from ...engine import EngineClosed, PrefetchEngine
 from ...engine.config import parse_bool, parse_value, setting, settings
@@ -189,7 +190,12 @@ class HiCacheMPTier(SecondaryTierManager):
 
     # --- lookups ----------------------------------------------------------------
     def lookup(self, key, req_context) -> LookupResult:
-        return _VERDICT[self._lookups.lookup(engine_key(key))]
+        try:
+            return _VERDICT[self._lookups.lookup(engine_key(key))]
+        except KeyRefused as exc:  # no page file can be named after it: never stored
+            self._warn("key", f"hicache_mp vLLM tier: lookup of a key the store refuses "
+                              f"({exc}) is a miss")
+            return LookupResult.MISS
 
     def on_new_request(self, req_context) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -208,7 +214,14 @@ class HiCacheMPTier(SecondaryTierManager):
             return
         # Rows already in the store, or named by a store in flight (vLLM may cascade
         # one chunk twice), need no write: settled ok here.
-        skip = gilkeep.either(self.engine.present(ekeys), gilkeep.take(self._busy, rows))
+        try:
+            present = self.engine.present(ekeys)
+        except KeyRefused as exc:  # checked before anything moves: the job fails whole
+            self._warn("key", f"hicache_mp vLLM tier: store job {job_metadata.job_id} names a "
+                              f"key the store refuses ({exc}); failed")
+            self._finished.append(JobResult(job_id=job_metadata.job_id, success=False))
+            return
+        skip = gilkeep.either(present, gilkeep.take(self._busy, rows))
         job = _Job(job_metadata.job_id, False, keys, done_ok=skip)
         if gilkeep.all_(skip):
             self._settle(job)
