@@ -371,6 +371,41 @@ def test_install_applies_and_refuses():
     assert not hasattr(cache_controller, "StorageSwitchInterval")
 
 
+def test_uninstall_refuses_while_a_controller_runs_fast_path_threads(tmp_path):
+    """uninstall() under a live controller built with the fast path would leave
+    its storage threads running the fast path's loops over stock methods
+    (NameError on StorageSwitchInterval, prefetches that never end): it
+    refuses, changes nothing, and the controller still prefetches; once the
+    controller's threads are stopped it goes through. A controller built
+    before install() runs stock loops and does not hold it back."""
+    from sglang.srt.managers import cache_controller
+    args = sglang_stack.parse(DENSE)
+    before = sglang_stack.Stack(SGL, "mp", args, str(tmp_path / "before"))
+    fast = None
+    try:
+        fastpath.install()
+        fast = sglang_stack.Stack(SGL, "mp", args, str(tmp_path / "fast"))
+        with pytest.raises(fastpath.FastPathInUse, match="detach_storage_backend") as caught:
+            fastpath.uninstall()
+        assert "HiCacheController.prefetch_thread" in str(caught.value)
+        assert isinstance(caught.value, fastpath.FastPathError)
+        assert fastpath.installed() and hasattr(cache_controller, "StorageSwitchInterval")
+        _, written = sglang_stack.backup(fast.ctl, fast.src, fast.tokens, fast.hashes,
+                                         Scheduler(False), 30)
+        assert written == len(fast.tokens)
+        _, _, pages = dense_round(fast, "wait_complete")
+        assert len(pages) == fast.pages
+        assert all(torch.equal(p, fast.page(fast.src, i)) for i, p in enumerate(pages))
+        fast.close()
+        assert fastpath.running_under_fast_path() == []
+        assert fastpath.uninstall() and not fastpath.installed()
+        assert not hasattr(cache_controller, "StorageSwitchInterval")
+    finally:
+        if fast is not None:
+            fast.close()
+        before.close()
+
+
 # --- the upstream patch -------------------------------------------------------------------
 def test_patch_is_install_and_applies(tmp_path):
     """The shipped patch is what install() does (generated from the same

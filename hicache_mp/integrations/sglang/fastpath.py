@@ -4,7 +4,9 @@
 `HiCacheController` and `HybridCacheController`, and the default of the one
 method it asks backends (`hit_query_at_once`) on `HiCacheStorage` (see that
 module for what changes and why) and returns what it changed; `uninstall()` puts SGLang's
-own back. `patched_source()` writes the same methods into SGLang's source
+own back, and refuses (`FastPathInUse`, nothing changed) while a cache
+controller still runs storage threads started under the fast path: their
+loops call the fast path's methods and names, which uninstall() removes. `patched_source()` writes the same methods into SGLang's source
 text, which is how the upstream patch in upstream/ is made
 (scripts/sglang_fastpath_patch.py) and checked (tests/integrations/).
 
@@ -21,12 +23,15 @@ from __future__ import annotations
 
 import ast
 import difflib
+import gc
 import hashlib
 import importlib
 import inspect
 import os
 import textwrap
+import threading
 import types
+import weakref
 
 from . import fastpath_methods
 
@@ -56,10 +61,25 @@ STOCK_SOURCES = {
 
 # What install() changed, for uninstall(): (class, name, SGLang's own or None).
 _INSTALLED: list[tuple[type, str, object]] = []
+# The threads alive when install() applied the fast path: a controller's
+# storage thread not among them was started under it (its loop is a fast-path
+# method). Weak: a thread that ends is no business of ours.
+_THREADS_BEFORE: weakref.WeakSet = weakref.WeakSet()
+# The controller attributes SGLang keeps its storage threads in (0.5.23).
+STORAGE_THREADS = ("prefetch_thread", "prefetch_io_aux_thread", "prefetch_sync_thread",
+                   "backup_thread")
 
 
-class FastPathVersionError(RuntimeError):
+class FastPathError(RuntimeError):
+    """The fast path cannot be installed or uninstalled now; nothing was changed."""
+
+
+class FastPathVersionError(FastPathError):
     """The running SGLang is not the version the fast path was built and tested for."""
+
+
+class FastPathInUse(FastPathError):
+    """uninstall() while a controller runs storage threads started under the fast path."""
 
 
 def _check_version(version: str | None = None) -> str:
@@ -139,6 +159,8 @@ def install(*, version: str | None = None) -> list[str]:
                     f"patch already applied, which makes install() unnecessary); "
                     f"nothing was changed")
             plan.append((module, cls, name, fn, old))
+    _THREADS_BEFORE.clear()
+    _THREADS_BEFORE.update(threading.enumerate())
     for module, cls, name, fn, old in plan:
         if cls is module:   # a class of the module's own (fastpath_methods.CLASSES)
             setattr(module, name, fn)
@@ -152,8 +174,45 @@ def install(*, version: str | None = None) -> list[str]:
     return changed
 
 
+def running_under_fast_path() -> list[str]:
+    """The storage threads, as "Class.attribute", of live cache controllers
+    that were started under the fast path and still run."""
+    if not _INSTALLED:
+        return []
+    controllers = tuple(getattr(importlib.import_module(mod), name)
+                        for mod, name, _, _ in fastpath_methods.TARGETS
+                        if name.endswith("CacheController"))
+    out = []
+    # SGLang keeps no registry of its controllers, and one built before
+    # install() would be missed by any hook install() could add: the
+    # collector's objects are every controller there is. uninstall() is rare.
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), controllers):  # type(): no __class__ property runs
+            continue
+        for attr in STORAGE_THREADS:
+            thread = vars(obj).get(attr)
+            if isinstance(thread, threading.Thread) and thread.is_alive() \
+                    and thread not in _THREADS_BEFORE:
+                out.append(f"{type(obj).__name__}.{attr}")
+    return out
+
+
 def uninstall() -> list[str]:
-    """Put SGLang's own methods back; returns what was restored."""
+    """Put SGLang's own methods back; returns what was restored.
+
+    FastPathInUse, with nothing changed, while a cache controller runs storage
+    threads started under the fast path: their loops are the fast path's
+    methods and would meet NameErrors and stock methods mid-prefetch (a
+    prefetch would hang)."""
+    busy = running_under_fast_path()
+    if busy:
+        raise FastPathInUse(
+            f"cannot uninstall hicache_mp's SGLang fast path: a cache controller built "
+            f"under it still runs its storage threads ({', '.join(sorted(set(busy)))}), whose "
+            f"loops are the fast path's methods. Stop them first (the controller's "
+            f"detach_storage_backend(), i.e. SGLang's detach of the storage backend, or shut "
+            f"the server down), or restart the process without the fast path; nothing was "
+            f"changed")
     out = []
     while _INSTALLED:
         cls, name, old = _INSTALLED.pop()
