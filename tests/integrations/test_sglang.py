@@ -305,7 +305,8 @@ def test_legacy_api_in_zero_copy_mode_uses_a_staging_engine(attach):
     assert torch.equal(pool.get_data_page(6 * pool.page_size), flat)
 
 
-def test_stats_clear_close(attach, store):
+def test_stats_clear_close(attach, store, caplog):
+    caplog.set_level(logging.WARNING, logger="hicache_mp.sglang")
     backend, pool = attach()
     fill_random(pool, [0, 1], seed=10)
     assert all(backend.batch_set_v1(["s0", "s1"], pool.token_indices([0, 1])))
@@ -315,9 +316,15 @@ def test_stats_clear_close(attach, store):
     # needs transformers; without it get_stats returns None (SGLang accepts None).
     if stats is not None:
         assert stats.prefetch_pgs == [2] and stats.backup_pgs == [2]
+    other, other_pool = attach(model="other/model")      # another model on the same store
+    fill_random(other_pool, [0], seed=11)
+    assert other.batch_set_v1(["o0"], other_pool.token_indices([0])) == [True]
     assert backend.clear() is True
     assert backend.batch_exists(["s0"]) == 0
+    # the whole shared store is cleared, other models' pages too (decision 97), and it says so
     assert not any(f.endswith(".page") for _, _, fs in os.walk(store) for f in fs)
+    said = [r.getMessage() for r in caplog.records if "clear()" in r.getMessage()]
+    assert len(said) == 1 and "whole store" in said[0] and store in said[0], said
     backend.close()
     backend.close()  # idempotent
     # every call after close() says the backend is closed, not "never registered"

@@ -460,8 +460,14 @@ class HiCacheMP(HiCacheStorage):
     # --- housekeeping -----------------------------------------------------------
     def clear(self) -> bool:
         """Remove every page file of the store directory (as SGLang's `file` backend
-        clears its directory). Other files are left alone."""
+        clears its directory), whichever model, rank or server wrote it: a page
+        file's name and header carry a digest of (namespace, key) and the
+        geometry, never the namespace, so this backend's pages cannot be told
+        from others' (decision 97). Logged as a warning. Other files are left alone."""
         root = self.storage_dir
+        log.warning("hicache_mp: clear() removes every page file of the whole store %s, shared "
+                    "by every server, rank and model that uses it, not only this model's "
+                    "(page files carry no namespace; decision 97)", root)
         removed = 0
         for part in open_store(root).parts():
             for page in part.scan().pages:
