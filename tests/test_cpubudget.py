@@ -227,8 +227,12 @@ THROTTLED = textwrap.dedent("""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from hicache_mp.engine.cpubudget import ThrottleWatch, read_budget
     budget = read_budget()
-    watch = ThrottleWatch(budget, workers=3, interval_s=0.3)
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # in the cgroup too
+    # the spinning process stands for the I/O workers, or for other work of the pod
+    pids = (lambda: []) if sys.argv[1] == "other" else (lambda: [spin.pid])
+    auto = sys.argv[1] == "auto-one"   # auto, which gave one worker: no fewer to give
+    watch = ThrottleWatch(budget, workers=1 if auto else 3, pids=pids, auto=auto,
+                          interval_s=0.3)
     try:
         end = time.monotonic() + 1.5
         while time.monotonic() < end:
@@ -240,15 +244,29 @@ THROTTLED = textwrap.dedent("""
 """)
 
 
-def test_a_throttled_cgroup_is_counted_and_warned_of_once():
+@pytest.mark.parametrize("spinner", ["workers", "other", "auto-one"])
+def test_a_throttled_cgroup_is_counted_and_warned_of_once_naming_whose_work(spinner):
+    """Decision 98: the workers' CPU time in the window decides the fix named.
+    Busy workers: fewer of them; busy at auto's one-worker minimum: a higher
+    limit. Idle workers in a throttled cgroup: the container's other work, so
+    a higher limit, and no blame on the workers."""
     why = QuotaCgroup.unavailable()
     if why:
         pytest.skip(f"no child cgroup here: {why}")
     with QuotaCgroup(0.2) as cg:   # two busy processes in a fifth of a CPU
-        p = subprocess.run([sys.executable, "-c", THROTTLED], cwd=ROOT, capture_output=True,
-                           text=True, timeout=60, preexec_fn=cg.enter)
+        p = subprocess.run([sys.executable, "-c", THROTTLED, spinner], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60, preexec_fn=cg.enter)
     assert p.returncode == 0, p.stderr
     counts = eval(p.stdout.strip().splitlines()[-1])  # a dict literal we printed
     assert counts["cgroup"] == cg.path and counts["throttled"] > 0 and counts["throttled_ms"] > 0
     warned = [ln for ln in p.stderr.splitlines() if "CPU-throttled" in ln]
-    assert len(warned) == 1 and "--hicache-mp-workers 0" in warned[0], p.stderr
+    assert len(warned) == 1, p.stderr
+    if spinner == "workers":
+        assert "I/O workers were busy" in warned[0] and "--hicache-mp-workers 0" in warned[0]
+    elif spinner == "auto-one":
+        assert "auto already runs the minimum of one: raise the container's CPU limit" \
+            in warned[0] and "--hicache-mp-workers" not in warned[0]
+    else:
+        assert "other work in this container took the CPU" in warned[0]
+        assert "used 0% of it" in warned[0] and "--hicache-mp-workers" not in warned[0]
+

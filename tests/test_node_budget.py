@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from hicache_mp import EngineConfig, PrefetchEngine
@@ -109,12 +110,108 @@ def test_engines_in_separate_processes_share_the_node(node, store, monkeypatch):
     assert not os.path.exists(node)
 
 
-def test_explicit_workers_do_not_register(node, store):
-    eng = PrefetchEngine(EngineConfig(storage_dir=store, num_workers=1, host_pool_pages=8), GEO)
+def test_an_explicit_count_registers_and_a_later_auto_engine_counts_it(node):
+    """Decision 98: 5 explicit workers on 8 cores leave an auto engine one
+    (8 - 1 per scheduler x 2 - 5), not the 7 it would take alone."""
+    shares = []
     try:
-        assert not os.path.exists(node)
+        shares.append(NodeBudget(0, directory=node, cores=8, explicit=5))
+        assert shares[0].workers == 5 and shares[0].registered
+        assert list(live_shares(node, prune=False).values()) == [5]
+        shares.append(NodeBudget(0, directory=node, cores=8))
+        assert shares[1].workers == 1 and shares[1].engines == 2
+        assert shares[1].floored() is False   # 1 was left: no floor
+        assert shares[0].over_by() == 0 and shares[1].over_by() == 0
+        shares.append(NodeBudget(0, directory=node, cores=8))
+        assert shares[2].workers == 1 and shares[2].floored()   # nothing was left
+        # 5 + 1 workers and 3 schedulers are 9 of 8 CPUs; with its own worker, 10
+        assert shares[2].over_by() == 2
+    finally:
+        for s in shares:
+            s.close()
+    assert not os.path.exists(node)
+
+
+def test_explicit_engines_over_their_shared_budget_are_warned_of(node, store, monkeypatch,
+                                                                  caplog):
+    """Two engines of 2 explicit workers each on 4 CPUs: each fits alone (3
+    beside its scheduler), together they do not (4 - 2 schedulers = 2). The
+    second engine says so, naming what the others run."""
+    monkeypatch.setenv(NODE_CORES_ENV, "4")
+    caplog.set_level("INFO", logger="hicache_mp")
+    first = PrefetchEngine(EngineConfig(storage_dir=store, num_workers=2, host_pool_pages=8), GEO)
+    try:
+        assert not [r for r in caplog.records if "CPU budget" in r.getMessage()]
+        assert sorted(live_shares(node, prune=False).values()) == [2]
+        second = PrefetchEngine(EngineConfig(storage_dir=store, num_workers=2,
+                                             host_pool_pages=8), GEO)
+        try:
+            assert second.worker_count() == 2   # the user's count stands
+            warned = [r.getMessage() for r in caplog.records
+                      if "above this process's CPU budget" in r.getMessage()]
+            assert len(warned) == 1, warned
+            assert "num_workers=2" in warned[0] and "already run 2 workers" in warned[0]
+            assert "4 CPU(s) (HICACHE_MP_NODE_CORES=4)" in warned[0]
+            assert "1 kept for each of 2 engines' schedulers" in warned[0]
+        finally:
+            second.close()
+    finally:
+        first.close()
+    assert not os.path.exists(node)
+
+
+def test_auto_says_what_it_chose_and_warns_where_no_cpu_is_left(node, store, monkeypatch,
+                                                                caplog):
+    """Four announced engines (node_engines=4, SGLang's TP ranks) on 4 CPUs:
+    one core each for the schedulers leaves none; the engine runs one worker
+    and says it is above the budget. On 10 CPUs alone it says what it chose."""
+    caplog.set_level("INFO", logger="hicache_mp")
+    monkeypatch.setenv(NODE_CORES_ENV, "4")
+    eng = PrefetchEngine(EngineConfig(storage_dir=store, num_workers=0, node_engines=4,
+                                      host_pool_pages=8), GEO)
+    try:
+        assert eng.worker_count() == 1
     finally:
         eng.close()
+    msgs = [r.getMessage() for r in caplog.records]
+    floor = [m for m in msgs if "no CPU is left" in m]
+    assert len(floor) == 1 and "Raise the CPU limit" in floor[0], msgs
+    caplog.clear()
+    monkeypatch.setenv(NODE_CORES_ENV, "10")
+    with PrefetchEngine(EngineConfig(storage_dir=store, num_workers=0, host_pool_pages=8),
+                        GEO) as eng:
+        assert eng.worker_count() == 8
+    said = [r for r in caplog.records if "I/O worker(s) (auto)" in r.getMessage()]
+    assert [r.levelname for r in said] == ["INFO"]
+    assert "8 I/O worker(s) (auto), from 10 CPU(s) (HICACHE_MP_NODE_CORES=10), 2 kept for " \
+        "the scheduler" in said[0].getMessage()
+    assert not os.path.exists(node)
+
+
+def test_auto_never_asks_for_more_workers_than_an_engine_may_have():
+    """A host of 1,000 cores (a 2 x 192-core node is past 256 already): auto
+    takes the most an engine may run, where it used to fail with
+    `num_workers=998: 1 to 256`, a setting the user never gave."""
+    from workers.control import MAX_WORKERS
+    assert budget_share(1000, 1, 0) == MAX_WORKERS == 256
+    assert budget_share(1000, 2, 0) == 256 and budget_share(600, 2, 256) == 256
+
+
+def test_an_unusable_registry_names_the_variable_and_an_explicit_count_runs_without_it(
+        tmp_path, store, monkeypatch):
+    """HICACHE_MP_NODE_DIR on a file (a hostPath mounted wrong): auto is refused
+    before any worker, with the variable and the ways out; an explicit count,
+    which needs no share, runs."""
+    bad = tmp_path / "a-file"
+    bad.write_text("")
+    monkeypatch.setenv(NODE_DIR_ENV, str(bad / "node"))
+    with pytest.raises(OSError, match=f"{NODE_DIR_ENV}.*num_workers"):
+        PrefetchEngine(EngineConfig(storage_dir=store, num_workers=0, host_pool_pages=8), GEO)
+    with PrefetchEngine(EngineConfig(storage_dir=store, num_workers=1, host_pool_pages=8),
+                        GEO) as eng:
+        eng.backup([b"k"], np.array([0]))
+        assert eng.worker_count() == 1
+    assert bad.read_text() == ""
 
 
 def test_bad_core_override_is_refused_before_any_worker(node, store, monkeypatch):

@@ -96,6 +96,21 @@ def physical_cores() -> int:
     return psutil.cpu_count(logical=False) or psutil.cpu_count() or 2
 
 
+def node_cores_override(environ=None) -> int | None:
+    """HICACHE_MP_NODE_CORES as a count, or None where it is unset or empty.
+    Whitespace around it is dropped (a value from a ConfigMap file ends in a
+    newline); anything but ASCII digits of at least 1 is a ValueError naming it."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(NODE_CORES_ENV)
+    given = (raw or "").strip()
+    if not given:
+        return None
+    if not (given.isascii() and given.isdigit()) or int(given) < 1:
+        raise ValueError(f"{NODE_CORES_ENV}={raw!r}: a core count (>= 1) is needed, "
+                         f"e.g. {NODE_CORES_ENV}=8, or unset it to count this machine's cores")
+    return int(given)
+
+
 def read_budget(root: str = "/", *, affinity: int | None = None,
                 host_cores: int | None = None, environ=None) -> CpuBudget:
     """This process's budget (`root`, `affinity` and `host_cores` are for tests:
@@ -104,11 +119,8 @@ def read_budget(root: str = "/", *, affinity: int | None = None,
     HICACHE_MP_NODE_CORES overrides the host's core count (a node the engine
     would misjudge, or one shared with other work); the affinity mask and the
     quota still cap it, since the kernel enforces them whatever we count."""
-    environ = os.environ if environ is None else environ
-    given = environ.get(NODE_CORES_ENV)
-    if given and (not given.isdigit() or int(given) < 1):
-        raise ValueError(f"{NODE_CORES_ENV}={given!r}: a core count (>= 1) is needed")
-    host = int(given) if given else (host_cores or physical_cores())
+    given = node_cores_override(environ)
+    host = given or host_cores or physical_cores()
     aff = affinity if affinity is not None else len(_affinity())
     quota = read_quota(root)
     cpus, source = host, f"{NODE_CORES_ENV}={given}" if given else f"{host} physical cores"
@@ -251,6 +263,25 @@ def read_throttle(directory: str) -> dict | None:
             "throttled_ms": ms}
 
 
+def cpu_seconds(pids) -> dict:
+    """{pid: user + system CPU seconds} of live processes (/proc/<pid>/stat);
+    a process gone meanwhile is left out."""
+    out = {}
+    for pid in pids:
+        text = read_text(f"/proc/{pid}/stat")
+        if not text:
+            continue
+        fields = text.rpartition(")")[2].split()  # after the command, which may hold spaces
+        try:
+            out[pid] = (int(fields[11]) + int(fields[12])) / _CLK_TCK
+        except (IndexError, ValueError):
+            continue
+    return out
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
 class ThrottleWatch:
     """The binding cgroup's throttle counters since the engine started, read at
     most once per `interval_s` from the engine's poll; one warning that names
@@ -259,27 +290,56 @@ class ThrottleWatch:
 
     A throttled cgroup stops every thread in it, the scheduler's with the
     workers: on the H200 box, 14 workers in a 4-CPU quota stalled a busy
-    scheduler loop 57-74 ms ten times a second (decision 89)."""
+    scheduler loop 57-74 ms ten times a second (decision 89).
+
+    Whose work it was decides the fix (decision 98). `pids()` gives the
+    workers' process ids: where they used less than IDLE_SHARE of the quota
+    in the window, the CPU went to other work in the container (SGLang's
+    tokenizer, a sidecar), and the warning says so instead of blaming the
+    workers. Where they did use it, the fix named depends on how the count
+    was set: fewer workers if explicit; with auto, which already sized them
+    from this quota, a higher limit (auto at its one-worker minimum has no
+    fewer to give)."""
 
     # A window warns when at least this share of its periods were throttled.
     # On the H200 box (scripts/bench_quota.py, 8 s windows) the auto-sized
     # engine's cgroup was throttled in 1-3% of its periods with no scheduler
     # gap over 10 ms; a count above the budget, in 17-60%, with 28-81 gaps.
     WARN_SHARE = 0.10
+    # Workers that used less than this share of the quota's CPU time in a
+    # throttled window did not throttle it (one worker copying flat out in a
+    # 4-CPU quota uses 0.25 of it).
+    IDLE_SHARE = 0.10
 
-    def __init__(self, budget: CpuBudget, workers: int, *, interval_s: float = 5.0):
+    def __init__(self, budget: CpuBudget, workers: int, *, pids=None, auto: bool = False,
+                 interval_s: float = 5.0):
         self.budget = budget
         self.workers = workers
+        self.auto = auto
+        self.pids = pids
         self.interval_s = interval_s
         self.directory = budget.quota.directory if budget.quota is not None else None
         self.start = read_throttle(self.directory) if self.directory else None
         self.last = self.start
         self.last_at = time.monotonic()
+        self.last_cpu = cpu_seconds(pids()) if (pids and self.start) else {}
         self.warned = False
 
+    def _workers_share(self, window_s: float) -> float | None:
+        """The workers' CPU seconds in the window over the quota's; None where
+        the pids are not known (then the workers are taken to be the cause)."""
+        if self.pids is None:
+            return None
+        now = cpu_seconds(self.pids())
+        used = sum(now[p] - self.last_cpu[p] for p in now if p in self.last_cpu)
+        self.last_cpu = now
+        return used / max(1e-9, window_s * self.budget.quota.cpus)
+
     def maybe_check(self) -> None:
-        if self.start is None or time.monotonic() - self.last_at < self.interval_s:
-            return
+        if self.warned or self.start is None or \
+                time.monotonic() - self.last_at < self.interval_s:
+            return  # one warning per engine: metrics() still counts every period
+        window_s = time.monotonic() - self.last_at
         self.last_at = time.monotonic()
         now = read_throttle(self.directory)
         if now is None:
@@ -288,14 +348,30 @@ class ThrottleWatch:
         throttled = now["throttled"] - self.last["throttled"]
         ms = now["throttled_ms"] - self.last["throttled_ms"]
         self.last = now
-        if not self.warned and periods > 0 and throttled >= max(1, self.WARN_SHARE * periods):
-            self.warned = True
-            log.warning(
-                "hicache_mp: this process's cgroup was CPU-throttled in %d of %d periods "
-                "(%.0f ms stopped) while %d I/O workers ran: a throttled cgroup stops the "
-                "scheduler too. Its CPU budget is %d (%s): use --hicache-mp-workers 0 (auto) "
-                "or fewer workers, or raise the container's CPU limit", throttled, periods, ms,
-                self.workers, self.budget.cpus, self.budget.source)
+        share = self._workers_share(window_s)
+        if periods <= 0 or throttled < max(1, self.WARN_SHARE * periods):
+            return
+        self.warned = True
+        what = (f"hicache_mp: this process's cgroup was CPU-throttled in {throttled} of "
+                f"{periods} periods ({ms:.0f} ms stopped); a throttled cgroup stops the "
+                f"scheduler too. Its CPU budget is {self.budget.cpus} ({self.budget.source})")
+        if share is not None and share < self.IDLE_SHARE:
+            log.warning("%s, and hicache_mp's %d I/O workers used %.0f%% of it meanwhile: other "
+                        "work in this container took the CPU. Raise the container's CPU limit",
+                        what, self.workers, 100 * share)
+        elif not self.auto:
+            log.warning("%s, and its %d I/O workers were busy: use num_workers=0 (auto; "
+                        "--hicache-mp-workers 0, or \"num_workers\": 0 in SGLang's extra "
+                        "config) or fewer workers, or raise the container's CPU limit",
+                        what, self.workers)
+        elif self.workers <= 1:
+            log.warning("%s, and its I/O worker was busy; auto already runs the minimum of one: "
+                        "raise the container's CPU limit", what)
+        else:
+            log.warning("%s, from which auto gave %d I/O workers, and they were busy, so other "
+                        "work shares the budget: give fewer workers (num_workers, "
+                        "--hicache-mp-workers), or raise the container's CPU limit",
+                        what, self.workers)
 
     def metrics(self) -> dict:
         """Counters since the engine started (zeros and no cgroup where no quota binds)."""

@@ -30,18 +30,28 @@ same process as its rank's KV engine, so no scheduler core of its own) is
 no engine in that count: it takes at most `aux_cap` workers from what the
 others left free (at least one), and its workers count as taken for every
 engine registering after it.
+
+An engine with an explicit `num_workers` registers too (decision 98): its
+count is the user's word, but it uses CPUs of the same budget, so an auto
+engine starting later must see them, and the sum over the budget's engines
+is what throttles a pod. Its registration is best effort: a registry it
+cannot use costs it nothing (an explicit count is the documented way around
+an unusable one).
 """
 from __future__ import annotations
 
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import secrets
 import stat
 import time
+from dataclasses import dataclass
 
 from shm.owner import same_file, unlink_and_release
+from workers.control import MAX_WORKERS
 
 from .cpubudget import NODE_CORES_ENV, CpuBudget, read_budget  # noqa: F401 (NODE_CORES_ENV: API)
 
@@ -72,6 +82,8 @@ ENTRY_MODE = 0o644
 # How long an engine waits for the directory's maker (another user's engine)
 # to give it DIR_MODE: mkdir applies the umask, so it is made, then chmod'ed.
 DIR_MODE_WAIT_S = 1.0
+
+log = logging.getLogger("hicache_mp")
 
 
 def node_dir() -> str:
@@ -150,14 +162,28 @@ def live_shares(node_dir: str, *, prune: bool = True) -> dict[str, int]:
 
 def budget_share(cores: int, engines: int, taken: int) -> int:
     """Workers for one more engine: an even share of (cores - scheduler_cores
-    per engine), no more than what the others left free, at least one."""
+    per engine), no more than what the others left free, at least one, at
+    most MAX_WORKERS (a host of more cores than an engine may have workers)."""
     budget = cores - scheduler_cores(cores) * engines
     share = budget // engines
-    return max(1, min(share, budget - taken))
+    return min(MAX_WORKERS, max(1, min(share, budget - taken)))
 
 
 def _aux_share(cores: int, engines: int, taken: int, cap: int) -> int:
-    return max(1, min(cap, cores - scheduler_cores(cores) * engines - taken))
+    return min(MAX_WORKERS, max(1, min(cap, cores - scheduler_cores(cores) * engines - taken)))
+
+
+@dataclass(frozen=True)
+class Split:
+    """One budget as this engine found it: `cpus` shared by `engines` engines
+    (this one included), of whose workers the others run `taken`."""
+    cpus: int
+    engines: int
+    taken: int
+
+    def room(self) -> int:
+        """Workers the budget holds beside its engines' schedulers."""
+        return self.cpus - scheduler_cores(self.cpus) * self.engines
 
 
 class NodeBudget:
@@ -165,17 +191,43 @@ class NodeBudget:
 
     def __init__(self, node_engines: int = 0, *, directory: str | None = None,
                  cores: int | None = None, aux_cap: int | None = None,
-                 budget: CpuBudget | None = None, before_register=None):
+                 budget: CpuBudget | None = None, before_register=None,
+                 explicit: int | None = None):
         """`cores`: a machine of that many cores, no quota (tests); else `budget`,
         else this process's (hicache_mp.engine.cpubudget). `before_register(workers)`
         runs with the share decided and nothing registered yet (the engine's room
-        check): what it raises leaves no entry behind."""
+        check): what it raises leaves no entry behind. `explicit`: the user's
+        worker count, registered as it is (best effort) instead of a share.
+
+        After it: `workers`; `engines`, the engines counted in this budget;
+        `split`, the tightest budget (over_by() and floored() read it);
+        `registered`, False where an explicit engine could not register."""
         self.node_dir = where = directory or node_dir()
         self.path = None
         self._fd = -1
+        self.explicit = explicit
         if cores:
             budget = CpuBudget(int(cores), f"{cores} cores (given)", int(cores), int(cores), None)
         self.budget = budget = budget or read_budget()
+        self.cores = budget.cpus
+        self.aux = bool(aux_cap)
+        try:
+            self._join(where, budget, int(node_engines or 0), aux_cap, before_register)
+        except _Refused as refused:
+            raise refused.error
+        except OSError as exc:
+            if explicit is None:
+                raise _registry_error(where, exc) from None
+            # An explicit count needs no share: run without the registry, as before.
+            # It is still measured against its own budget, alone in it.
+            self.workers, self.engines, self.split = explicit, 1, Split(budget.cpus, 1, 0)
+            self.registered = False
+            log.info("hicache_mp: num_workers=%d not registered in the node registry %s (%s): "
+                     "engines with auto workers will not count them", explicit, where, exc)
+            if before_register is not None:
+                before_register(explicit)
+
+    def _join(self, where, budget, node_engines, aux_cap, before_register) -> None:
         scope = budget.scope
         host = max(budget.host_cores, budget.cpus)
         for _ in range(20):  # the directory may vanish between makedirs and open
@@ -195,34 +247,56 @@ class NodeBudget:
                     splits = [(budget.cpus, live)]
                 else:
                     splits = [(budget.cpus, [e for e in live if e[2] == scope]), (host, live)]
-                self.workers = None
+                self.workers = self.split = None
                 for cpus, entries in splits:
                     taken = sum(w for w, _, _ in entries)
                     schedulers = sum(1 for _, aux, _ in entries if not aux)
                     if aux_cap:
-                        engines = max(schedulers, int(node_engines or 0), 1)
+                        engines = max(schedulers, node_engines, 1)
                         share = _aux_share(cpus, engines, taken, int(aux_cap))
                     else:
-                        engines = max(schedulers + 1, int(node_engines or 0))
+                        engines = max(schedulers + 1, node_engines)
                         share = budget_share(cpus, engines, taken)
-                    if self.workers is None:
+                    split = Split(cpus, engines, taken)
+                    if self.explicit is not None:
+                        share = self.explicit
+                        tighter = self.split is None or split.room() - split.taken < \
+                            self.split.room() - self.split.taken
+                    else:
+                        tighter = self.workers is None or share < self.workers
+                    if self.split is None:
                         self.engines = engines
+                    if tighter:
+                        self.split = split
                     self.workers = share if self.workers is None else min(self.workers, share)
                 if before_register is not None:
                     try:
                         before_register(self.workers)
-                    except BaseException:
+                    except BaseException as exc:
                         # under the directory's lock, as close() does: the
                         # directory goes if no other engine is registered
                         with contextlib.suppress(OSError):
                             os.rmdir(where)
-                        raise
+                        raise _Refused(exc) from None  # the engine's, not the registry's
                 self._register(aux=bool(aux_cap), scope=scope)
-                self.cores = budget.cpus
+                self.registered = True
                 return
             finally:
                 os.close(dfd)
         raise RuntimeError(f"hicache_mp: cannot register in {where}")
+
+    def over_by(self) -> int:
+        """Workers this budget's engines run beyond its room, this one's
+        included (0 where they fit, or where nothing was registered)."""
+        s = self.split
+        return 0 if s is None else max(0, s.taken + self.workers - max(0, s.room()))
+
+    def floored(self) -> bool:
+        """An auto engine that got its one worker only because it never gets
+        none: its budget had no CPU left for it."""
+        s = self.split
+        return self.explicit is None and not self.aux and s is not None and \
+            min(s.room() // s.engines, s.room() - s.taken) < 1
 
     def _register(self, aux: bool, scope: str = "host") -> None:
         path = os.path.join(self.node_dir, f"{os.getpid()}.{secrets.token_hex(4)}")
@@ -258,6 +332,30 @@ class NodeBudget:
             pass
         finally:
             os.close(dfd)
+
+
+class _Refused(Exception):
+    """The engine's own check (`before_register`) refused: its error goes on
+    as it is, never taken for the registry's."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(error)
+        self.error = error
+
+
+def _registry_error(where: str, exc: OSError) -> OSError:
+    """What an auto engine raises for a registry it cannot use: the error
+    itself where it already names the fix (_make_shared_dir), else one that
+    names the directory, the variable and the ways out."""
+    if isinstance(exc, PermissionError) and "hicache_mp" in str(exc):
+        return exc
+    err = OSError(exc.errno, f"hicache_mp: the node registry {where}, where engines with auto "
+                  f"workers (num_workers=0) share the CPU budget, cannot be used "
+                  f"({exc.strerror or exc}). Point {NODE_DIR_ENV} at a directory this user "
+                  f"can write (on a tmpfs such as /dev/shm), or give num_workers "
+                  f"(--hicache-mp-workers) explicitly")
+    err.filename = where
+    return err
 
 
 def _make_shared_dir(where: str) -> None:

@@ -154,9 +154,11 @@ class WorkerIO:
         self.waiters = Waiters(ctx.lock, ctx.ledger, self.drain, ctx.closed, ctx.released,
                                self.control, res.done_sem)
         # The cgroup's throttle counters, read at most every 5 s from the
-        # drain's health-check tick
-        # (hicache_mp.engine.cpubudget); nothing at all where no quota binds.
-        self.throttle = ThrottleWatch(res.cpu_budget, len(self.pool))
+        # drain's health-check tick, with the workers' CPU time to tell whose
+        # work throttled it (hicache_mp.engine.cpubudget); nothing at all where
+        # no quota binds.
+        self.throttle = ThrottleWatch(res.cpu_budget, len(self.pool), pids=self.pids,
+                                      auto=not config.num_workers)
         # Segments go even if the caller forgets close() or an exception unwinds.
         self.finalizer = weakref.finalize(owner, resources.release, os.getpid(), self.pool,
                                           list(self.segments))

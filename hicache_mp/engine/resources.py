@@ -97,16 +97,44 @@ def _room_error(config: EngineConfig, geometry: PageGeometry, workers: int,
     return err.with_fixes(fixes)
 
 
-def _warn_over_budget(workers: int, budget: CpuBudget) -> None:
-    """One warning at start for an explicit count the process cannot run (as
-    PyTorch's DataLoader warns of more workers than CPUs)."""
-    room = max(1, budget.cpus - scheduler_cores(budget.cpus))
-    if workers > room:
-        log.warning("hicache_mp: num_workers=%d is above this process's CPU budget: %d CPU(s) (%s), "
-                    "%d of them for workers beside the scheduler. Workers beyond it slow the "
-                    "scheduler, and under a CPU quota get the whole cgroup throttled, the scheduler "
-                    "with it: use num_workers=0 (auto, --hicache-mp-workers 0) or at most %d",
-                    workers, budget.cpus, budget.source, room, room)
+def _budget_words(budget: CpuBudget, engines: int) -> str:
+    """The budget as a user reads it: its CPUs, where they come from, and
+    what the schedulers keep."""
+    keep = scheduler_cores(budget.cpus)
+    each = f"{keep} kept for each of {engines} engines' schedulers" if engines > 1 else \
+        f"{keep} kept for the scheduler"
+    return f"{budget.cpus} CPU(s) ({budget.source}), {each}"
+
+
+def _say_share(share: NodeBudget, workers: int, budget: CpuBudget) -> None:
+    """One line at start saying what the workers were sized from (info), or,
+    where the engines of this budget run more workers than it holds, one
+    warning that names the fix (as PyTorch's DataLoader warns of more workers
+    than CPUs): in a container the extra ones get the whole cgroup throttled,
+    the scheduler with it (decisions 89, 98)."""
+    words = _budget_words(budget, share.engines)
+    split = share.split
+    if share.explicit is not None:
+        if not share.over_by():
+            return
+        room, others = max(0, split.room()), split.taken
+        log.warning(
+            "hicache_mp: num_workers=%d is above this process's CPU budget: %s%s, which "
+            "leaves %s for workers. Workers beyond it slow the scheduler, and under a CPU "
+            "quota get the whole cgroup throttled, the scheduler with it: use num_workers=0 "
+            "(auto; --hicache-mp-workers 0, or \"num_workers\": 0 in SGLang's extra config), "
+            "at most %d workers%s, or a higher CPU limit",
+            workers, words,
+            f"; its other engines already run {others} workers" if others else "",
+            room or "none", max(1, room - others), " here" if others else "")
+    elif share.floored():
+        log.warning(
+            "hicache_mp: auto sized this engine's workers from %s: no CPU is left for them, so "
+            "it runs the minimum of one worker, above the budget (the engines of this budget "
+            "run %d workers in all). Raise the CPU limit, or run fewer engines under it",
+            words, split.taken + workers)
+    else:
+        log.info("hicache_mp: %d I/O worker(s) (auto), from %s", workers, words)
 
 
 def build(config: EngineConfig, geometry: PageGeometry, roots, *, pool_fd: int | None,
@@ -134,7 +162,6 @@ def build(config: EngineConfig, geometry: PageGeometry, roots, *, pool_fd: int |
         (log.warning if fs_refused else log.info)("hicache_mp: %s", reason)
     res = Resources(tag=new_owner_tag(), stale_removed=stale_removed, shared_pool=shared_pool,
                     direct_io=direct_io, direct_io_reason=reason)
-    share = None
     budget = res.cpu_budget = read_budget()
 
     def check_room(workers: int) -> None:
@@ -144,18 +171,16 @@ def build(config: EngineConfig, geometry: PageGeometry, roots, *, pool_fd: int |
         if short is not None:
             raise short
 
-    if config.num_workers:
-        workers = config.num_workers
-        _warn_over_budget(workers, budget)
-        check_room(workers)
-    else:  # auto: this engine's share of what the process may use (decisions 42, 89);
-        # registered only once its room is checked, so a refusal leaves no entry
-        share = NodeBudget(config.node_engines, aux_cap=aux_workers, budget=budget,
-                           before_register=check_room)
-        workers = share.workers
+    # Auto: this engine's share of what the process may use (decisions 42, 89);
+    # an explicit count is registered as it is, so later auto engines and the
+    # warning count it (decision 98). Registered only once its room is checked,
+    # so a refusal leaves no entry.
+    share = NodeBudget(config.node_engines, aux_cap=aux_workers, budget=budget,
+                       before_register=check_room, explicit=config.num_workers or None)
+    workers = share.workers
+    _say_share(share, workers, budget)
     ring_capacity = config.resolved_ring_capacity(workers)
-    if share is not None:  # released last, with the segments
-        res.segments.append(share)
+    res.segments.append(share)  # released last, with the segments
     try:
         _build(res, config, geometry, pool_fd, parts, workers, ring_capacity)
     except ShmFullError as exc:  # /dev/shm filled by another process since the check
