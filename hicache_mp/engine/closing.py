@@ -166,9 +166,9 @@ class Closing:
             writes = [op for op in ops if op.kind == WRITE and not op.done]
             for op in ops:
                 if op.kind == READ and not op.done:
-                    op._cancel()
+                    op.mark_cancelled()
                     self._io.cancel(op)
-        pages = sum(op._remaining for op in writes)
+        pages = sum(op.pages_left for op in writes)
         deadline = t0 + timeout_s
         try:
             if held or asleep:
@@ -179,7 +179,7 @@ class Closing:
             why = "a close() from a signal handler closed the engine meanwhile"
         except Exception as exc:  # the stop must go on: say why the flush ended
             why = f"the flush failed: {exc!r}"
-        left = sum(op._remaining for op in writes)
+        left = sum(op.pages_left for op in writes)
         return _flush_report(pages, pages - left, time.monotonic() - t0, why if left else None)
 
     def _flush_waiting(self, writes, deadline: float, timeout_s: float):
@@ -205,7 +205,7 @@ class Closing:
             if now >= deadline:
                 return f"not done within the flush limit of {timeout_s}s"
             if quiet:
-                remaining = sum(op._remaining for op in todo)
+                remaining = sum(op.pages_left for op in todo)
                 if remaining != last:
                     last, since, idle_since = remaining, now, None
                     continue
@@ -240,7 +240,7 @@ class Closing:
                 now = time.perf_counter_ns()
                 ledger = self._ledger
                 for op in ledger.ops():
-                    op._cancel()
+                    op.mark_cancelled()
                     try:
                         for pos in np.flatnonzero(op.page_status == st.PENDING):
                             ledger.apply(op, int(pos), st.CANCELLED, 0, 0, now)

@@ -153,7 +153,7 @@ class EngineCore(IndexLookups, Closing, Ownership):
         with self._lock:
             if op.done:
                 return
-            op._cancel()
+            op.mark_cancelled()
             if not self._closed:
                 try:
                     self._io.cancel(op)

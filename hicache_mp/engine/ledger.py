@@ -119,7 +119,7 @@ class OpLedger:
         undrained = pages_done() - self._worker_pages
         if undrained <= 0:
             return False
-        return undrained >= min(half_ring, min(op._remaining for op in ops.values()))
+        return undrained >= min(half_ring, min(op.pages_left for op in ops.values()))
 
     def metrics(self, now_ns: int, page_bytes: int) -> dict:
         out = {"ops_in_flight": len(self._ops), "pages_in_flight": int(self._reserved.sum())}
@@ -246,7 +246,7 @@ class OpLedger:
                 # the index was stale: heal it
                 self._index.discard(op.digests[pos], damaged=code in st.READ_DAMAGED)
             self._log_cause(op.kind, code, err)
-        if op._complete(pos, code, io_ns, now_ns):
+        if op.record_page(pos, code, io_ns, now_ns):
             self.retire(op, now_ns)
 
     def apply_many(self, op: Op, pos, codes, io_ns, errs, seqs, now_ns: int) -> None:
@@ -296,7 +296,7 @@ class OpLedger:
                     discard(digests[p], damaged=bool(_IS_DAMAGED[code]))
             for code, err in set(zip(codes[bad].tolist(), errs[bad].tolist())):
                 self._log_cause(op.kind, code, err)
-        if op._complete_many(pos, codes, gilkeep.total(io_ns), now_ns):
+        if op.record_pages(pos, codes, gilkeep.total(io_ns), now_ns):
             self.retire(op, now_ns)
 
     def retire(self, op: Op, now_ns: int) -> None:

@@ -20,7 +20,7 @@ NO_DEADLINE_NS = 1 << 62
 
 class Op:
     __slots__ = ("id", "kind", "keys", "host_pages", "digests", "num_pages", "page_status",
-                 "worker_of", "policy", "deadline", "_lead", "_remaining", "_cancelled",
+                 "worker_of", "policy", "deadline", "_lead", "pages_left", "_cancelled",
                  "_frozen_lead", "submit_ns", "done_ns", "first_ns", "io_ns", "ok_pages",
                  "page_bytes", "landed_ns", "device_event", "pin_slots", "pins_unique",
                  "digest_bytes", "landed_seq")
@@ -40,7 +40,7 @@ class Op:
         self.deadline = self.submit_ns + int(timeout_s * 1e9) if timeout_s < NO_DEADLINE_S \
             else NO_DEADLINE_NS
         self._lead = 0
-        self._remaining = self.num_pages
+        self.pages_left = self.num_pages
         self._cancelled = False
         self._frozen_lead = 0
         self.done_ns = self.submit_ns if self.num_pages == 0 else 0
@@ -58,7 +58,12 @@ class Op:
         self.device_event = None
 
     # --- fed by the engine --------------------------------------------------
-    def _complete(self, pos: int, code: int, io_ns: int, now_ns: int) -> bool:
+    # The ledger (engine/ledger.py) is the one writer of an op's progress:
+    # record_page / record_pages / mark_cancelled are public so that it needs
+    # no reach into this class, not for callers. A caller holding an Op reads
+    # it (done, status, completed_pages, pages_left) and cancels through the
+    # engine's cancel(), which also stops the I/O.
+    def record_page(self, pos: int, code: int, io_ns: int, now_ns: int) -> bool:
         """Record one page's outcome; True if this finished the op."""
         if self.page_status[pos] != st.PENDING:
             return False  # a page already failed by a worker death; ignore a late echo
@@ -72,14 +77,14 @@ class Op:
             ps = self.page_status
             while self._lead < self.num_pages and ps[self._lead] == st.OK:
                 self._lead += 1
-        self._remaining -= 1
-        if self._remaining == 0:
+        self.pages_left -= 1
+        if self.pages_left == 0:
             self.done_ns = now_ns
             return True
         return False
 
-    def _complete_many(self, pos, codes, io_ns: int, now_ns: int) -> bool:
-        """`_complete` for pages known to be pending (the engine filtered them)."""
+    def record_pages(self, pos, codes, io_ns: int, now_ns: int) -> bool:
+        """`record_page` for pages known to be pending (the engine filtered them)."""
         self.page_status[pos] = codes
         self.landed_ns[pos] = now_ns
         self.io_ns += io_ns
@@ -92,13 +97,14 @@ class Op:
             # argmax may let the GIL go; shm.gilkeep)
             rest = self.page_status[self._lead:].tobytes()
             self._lead += len(rest) - len(rest.lstrip(_OK_BYTE))
-        self._remaining -= len(pos)
-        if self._remaining == 0:
+        self.pages_left -= len(pos)
+        if self.pages_left == 0:
             self.done_ns = now_ns
             return True
         return False
 
-    def _cancel(self) -> None:
+    def mark_cancelled(self) -> None:
+        """Freeze completed_pages at its value now (engine.cancel() and close())."""
         if not self._cancelled and not self.done:
             self._cancelled = True
             self._frozen_lead = self._lead
@@ -117,7 +123,7 @@ class Op:
     @property
     def done(self) -> bool:
         """Every page is accounted for: the host slots may be reused."""
-        return self._remaining == 0
+        return self.pages_left == 0
 
     @property
     def status(self) -> str:

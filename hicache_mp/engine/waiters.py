@@ -137,7 +137,7 @@ class Waiters:
             lead = prev is None or prev == me  # note 5
             short = target and lead and self._due_soon(op)  # note 9
             early = self._lead(op) if target and lead and not short else 0  # note 9
-            at = self.ledger.worker_pages + op._remaining - early if target else 0  # notes 1, 9
+            at = self.ledger.worker_pages + op.pages_left - early if target else 0  # notes 1, 9
             cap = min(timeout_s, TARGET_CAP_S if target else NO_TARGET_CAP_S)  # note 7
             if lead and at:
                 self.leftover += self.done_sem.take_pending()  # note 6
@@ -185,7 +185,7 @@ class Waiters:
         may end one early)."""
         if op is self.ahead_op or self.gil_delay_s < AHEAD_MIN_S or self.rate_pps <= 0:
             return 0   # an op is woken ahead of once at most
-        n = min(int(AHEAD_SHARE * self.gil_delay_s * self.rate_pps), op._remaining // 2)
+        n = min(int(AHEAD_SHARE * self.gil_delay_s * self.rate_pps), op.pages_left // 2)
         if n:
             self.ahead_op = op
         return n
@@ -193,7 +193,7 @@ class Waiters:
     def _due_soon(self, op) -> bool:
         """Under slow hand-backs, `op`'s pages are due within SPIN_CAP_S (note 9)."""
         return (self.gil_delay_s >= AHEAD_MIN_S and self.rate_pps > 0
-                and op._remaining <= SPIN_CAP_S * self.rate_pps)
+                and op.pages_left <= SPIN_CAP_S * self.rate_pps)
 
     def _spin(self, op) -> bool:
         """Drain, GIL held, until `op` is done or SPIN_CAP_S has passed (note

@@ -340,8 +340,11 @@ def lookup_row(args, kind, label, store, busy: bool, threads: int):
     try:
         writer.submit_store(TransferJob(job_id=1, keys=keys, chunk_ids=np.arange(n),
                                         is_promotion=False, req_context=ReqContext("w")))
-        steps(writer, False, lambda: not writer._jobs if kind == "hicache_mp" else
-              writer._pool._inflight_jobs == 0, args.phase_timeout_s)
+        # the store is written when its job is reported: the same public signal
+        # from both tiers (vLLM's get_finished_jobs), no count read from inside
+        stored = set()
+        steps(writer, False, lambda: 1 in stored, args.phase_timeout_s,
+              on_result=lambda result: stored.add(result.job_id))
         ctx, state, calls = ReqContext(req_id="r"), {"left": n, "hits": 0}, [0.0]
 
         def ask():
