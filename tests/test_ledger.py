@@ -4,8 +4,8 @@ No engine, no workers, no shared memory: an OpLedger over an index of an
 empty store in tmp_path, and Op objects made by hand, as the engine makes
 them. What each rule does to the books: admit reserves and pins, apply and
 apply_many free and count, settle numbers a drain in landed order and picks
-bulk or page by page, retire frees the slots, fail_worker and fence settle a
-lost worker's pages. Quick: the whole file runs in well under a second.
+bulk or page by page, retire frees the slots, fail_worker settles a lost
+worker's pages, and a fence holds a killed one's slots and ops until unfence. Quick: the whole file runs in well under a second.
 """
 import numpy as np
 import pytest
@@ -134,21 +134,60 @@ def test_a_written_page_joins_the_index_and_a_read_miss_leaves_it(ledger, index)
     assert d.digests[0] not in index.digests
 
 
-def test_fail_worker_ends_its_pending_pages_and_fence_holds_their_slots(ledger):
+def test_fail_worker_ends_its_pending_pages(ledger):
+    """A worker that died (reaped: it writes nothing any more): its pages end
+    at once and free their slots."""
     op = make_op(ledger, READ, [0, 1, 2, 3], worker_of=[0, 1, 0, 1])
     ledger.admit(op, 0)
     ledger.apply(op, 1, st.OK, 0, 0, 1)
     slots = ledger.fail_worker(1, 2)
     assert slots.tolist() == [3]
     assert [st.NAMES[c] for c in op.page_status] == ["pending", "ok", "pending", "worker_died"]
-    ledger.fence(slots, True)
     ledger.apply(op, 0, st.OK, 0, 0, 3)
     ledger.apply(op, 2, st.OK, 0, 0, 3)
-    assert op.done and len(ledger) == 0
-    with pytest.raises(ValueError):
-        ledger.check_free(slots)  # fenced until the killed worker is reaped
-    ledger.fence(slots, False)
+    assert op.done and len(ledger) == 0 and ledger.fenced_pages == 0
     ledger.check_free(slots)
+
+
+def test_a_fence_holds_the_slots_and_the_op_until_the_worker_is_gone(ledger):
+    """A killed stuck worker may still write its slots: its pages' status is
+    final at once, but op.done (the slots may be reused) waits for unfence."""
+    op = make_op(ledger, READ, [0, 1, 2, 3], worker_of=[0, 1, 0, 1])
+    other = make_op(ledger, WRITE, [4, 5], worker_of=[1, 1])
+    ledger.admit(op, 0)
+    ledger.admit(other, 0)
+    key = object()  # the killed worker's handle
+    slots = ledger.fail_worker(1, 2, fence=key)
+    assert sorted(slots.tolist()) == [1, 3, 4, 5]
+    assert [st.NAMES[c] for c in op.page_status] == ["pending", "worker_died", "pending",
+                                                     "worker_died"]
+    assert other.status_counts() == {"worker_died": 2}
+    assert ledger.fenced_pages == 4
+    ledger.apply(op, 0, st.OK, 0, 0, 3)
+    ledger.apply(op, 2, st.OK, 0, 0, 3)
+    ledger.apply(op, 1, st.OK, 0, 0, 3)  # a late echo of a failed page changes nothing
+    assert op.page_status[1] == st.WORKER_DIED
+    assert not op.done and not other.done and len(ledger) == 2
+    assert op.status == "running"
+    for slot in slots.tolist():
+        with pytest.raises(ValueError):
+            ledger.check_free(np.array([slot]))  # fenced until the killed worker is reaped
+    assert ledger.unfence(object(), 4) == 0  # another worker's fence: nothing
+    assert ledger.unfence(key, 5) == 4
+    assert op.done and other.done and len(ledger) == 0 and ledger.fenced_pages == 0
+    assert op.status == "partial" and other.status == "failed"
+    ledger.check_free(np.arange(6))
+    assert not ledger.pins.any()
+
+
+def test_unfence_all_ends_every_held_op(ledger):
+    op = make_op(ledger, READ, [0, 1], worker_of=[0, 1])
+    ledger.admit(op, 0)
+    ledger.fail_worker(0, 1, fence="a")
+    ledger.fail_worker(1, 1, fence="b")
+    assert not op.done and ledger.fenced_pages == 2
+    assert ledger.unfence_all(2) == 2
+    assert op.done and op.status == "failed" and len(ledger) == 0
 
 
 def test_may_finish_waits_for_an_ops_last_page(ledger):

@@ -239,6 +239,9 @@ class Closing:
                         error = exc
                 now = time.perf_counter_ns()
                 ledger = self._ledger
+                # the I/O is shut down: no killed worker writes a slot any more,
+                # and an op held for one must end with the rest
+                ledger.unfence_all(now)
                 for op in ledger.ops():
                     op.mark_cancelled()
                     try:

@@ -4,7 +4,8 @@ Owns every piece of state that says where the engine's ops stand, and the
 rules that change it:
   - the ops in flight and the next op id;
   - the host slots: `reserved` (an I/O may still write the slot; a killed
-    stuck worker's slots stay fenced there) and `slot_op` (its op is not done);
+    stuck worker's slots stay fenced there, with their ops held not done,
+    until it is gone) and `slot_op` (its op is not done);
   - the pins (a counting table by digest, workers.control: the evictor never
     removes a pinned page; the mp engine shares its control block's table);
   - the status counts per kind and the busy time per kind;
@@ -15,7 +16,8 @@ rules that change it:
   - one log line per distinct cause.
 Its rules: admit (an op's slots, pins and budget), apply (one page), apply_many
 (many pages of one op, with numpy), settle (a drain's page completions, in
-landed order), retire (a done op), fail a lost worker's pages, fence.
+landed order), retire (a done op), fail a lost worker's pages, and fence a
+killed worker's slots (its ops are not done until it is gone).
 
 Must not pop rings, look at processes, sleep or take a lock: its callers
 (EngineCore's calls, hicache_mp.engine.draining, hicache_mp.engine.supervisor,
@@ -74,6 +76,9 @@ class OpLedger:
         # only, so a wake-up target must not be built on _seq (control: WAKE_AT).
         self._worker_pages = 0
         self._logged_causes: set = set()
+        # fence key (a killed worker's handle) -> [(op, positions)]: pages failed
+        # while that process may still write their slots (fail_worker)
+        self._fenced: dict = {}
 
     def share_pins(self, table: np.ndarray) -> None:
         """Count pins in `table` (the mp engine's control block, which the
@@ -230,6 +235,13 @@ class OpLedger:
         if op.page_status[pos] != st.PENDING:
             return
         self._reserved[op.host_pages[pos]] = False
+        self._count_page(op, pos, code, err, seq)
+        if op.record_page(pos, code, io_ns, now_ns):
+            self.retire(op, now_ns)
+
+    def _count_page(self, op: Op, pos: int, code: int, err: int, seq: int | None) -> None:
+        """One page's outcome in the books (pins, budget, order, counts, index);
+        not its slot, not its op's progress."""
         self._pins[op.pin_slots[pos]] -= 1
         if op.kind == WRITE:
             self._write_pages -= 1
@@ -246,8 +258,6 @@ class OpLedger:
                 # the index was stale: heal it
                 self._index.discard(op.digests[pos], damaged=code in st.READ_DAMAGED)
             self._log_cause(op.kind, code, err)
-        if op.record_page(pos, code, io_ns, now_ns):
-            self.retire(op, now_ns)
 
     def apply_many(self, op: Op, pos, codes, io_ns, errs, seqs, now_ns: int) -> None:
         """`apply` for many pages of one op at once (numpy arrays; a page at most
@@ -310,22 +320,51 @@ class OpLedger:
             self._busy_ns[op.kind] += now_ns - self._busy_since[op.kind]
 
     # --- lost workers ------------------------------------------------------------
-    def fail_worker(self, index: int, now_ns: int) -> np.ndarray:
+    def fail_worker(self, index: int, now_ns: int, fence=None) -> np.ndarray:
         """End every page still pending at worker `index` WORKER_DIED; returns
-        their host slots (which that worker may still write)."""
+        their host slots.
+
+        `fence`: a key (the killed process's handle) when that worker may still
+        write the slots: a stuck worker killed in a page I/O. Then the pages'
+        status is final at once, but their slots stay reserved and their ops
+        not done (op.done means the slots may be reused) until unfence(key),
+        once the process is gone. A page failed here is never written into its
+        slot later, whatever the kernel finishes meanwhile."""
         slots = []
         for op in list(self._ops.values()):
             lost = np.flatnonzero((op.worker_of == index) & (op.page_status == st.PENDING))
             if not len(lost):
                 continue
             slots.append(op.host_pages[lost])
+            if fence is None:
+                for pos in lost.tolist():
+                    self.apply(op, pos, st.WORKER_DIED, 0, 0, now_ns)
+                continue
             for pos in lost.tolist():
-                self.apply(op, pos, st.WORKER_DIED, 0, 0, now_ns)
+                self._count_page(op, pos, st.WORKER_DIED, 0, None)
+            op.hold_failed(lost, st.WORKER_DIED, now_ns)
+            self._fenced.setdefault(fence, []).append((op, lost))
         return np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
 
-    def fence(self, slots: np.ndarray, on: bool) -> None:
-        """Hold `slots` reserved (a killed worker may still write them) or let them go."""
-        self._reserved[slots] = on
+    def unfence(self, fence, now_ns: int) -> int:
+        """The process behind `fence` is gone: its failed pages' slots are free,
+        and their ops done if nothing else is left. Returns the pages released."""
+        n = 0
+        for op, pos in self._fenced.pop(fence, ()):
+            gilkeep.set_at(self._reserved, gilkeep.take(op.host_pages, pos), False)
+            n += len(pos)
+            if op.release_held(len(pos), now_ns):
+                self.retire(op, now_ns)
+        return n
+
+    def unfence_all(self, now_ns: int) -> int:
+        """Every fence lifted: close(), once the I/O is shut down."""
+        return sum(self.unfence(key, now_ns) for key in list(self._fenced))
+
+    @property
+    def fenced_pages(self) -> int:
+        """Pages whose slots wait for a killed worker to be gone."""
+        return sum(len(pos) for entries in self._fenced.values() for _, pos in entries)
 
     def _log_cause(self, kind: str, code: int, err: int) -> None:
         """One log line per distinct cause, not one per page."""

@@ -58,11 +58,12 @@ class Op:
         self.device_event = None
 
     # --- fed by the engine --------------------------------------------------
-    # The ledger (engine/ledger.py) is the one writer of an op's progress:
-    # record_page / record_pages / mark_cancelled are public so that it needs
-    # no reach into this class, not for callers. A caller holding an Op reads
-    # it (done, status, completed_pages, pages_left) and cancels through the
-    # engine's cancel(), which also stops the I/O.
+    # The ledger (engine/ledger.py) is the one writer of an op's progress.
+    # record_page, record_pages, hold_failed, release_held and mark_cancelled
+    # are public so that it needs no reach into this class, not for callers:
+    # a caller holding an Op reads it (done, status, completed_pages,
+    # pages_left) and cancels through the engine's cancel(), which also stops
+    # the I/O.
     def record_page(self, pos: int, code: int, io_ns: int, now_ns: int) -> bool:
         """Record one page's outcome; True if this finished the op."""
         if self.page_status[pos] != st.PENDING:
@@ -98,6 +99,24 @@ class Op:
             rest = self.page_status[self._lead:].tobytes()
             self._lead += len(rest) - len(rest.lstrip(_OK_BYTE))
         self.pages_left -= len(pos)
+        if self.pages_left == 0:
+            self.done_ns = now_ns
+            return True
+        return False
+
+    def hold_failed(self, pos, code: int, now_ns: int) -> None:
+        """Pages failed while a killed worker may still write their slots: their
+        status is final now, but they stay in pages_left, so the op is not
+        done (its slots not free) until release_held() counts them."""
+        self.page_status[pos] = code
+        self.landed_ns[pos] = now_ns
+        if not self.first_ns:
+            self.first_ns = now_ns
+
+    def release_held(self, n: int, now_ns: int) -> bool:
+        """`n` held pages' slots are safe again (the worker is gone); True if
+        this finished the op."""
+        self.pages_left -= n
         if self.pages_left == 0:
             self.done_ns = now_ns
             return True

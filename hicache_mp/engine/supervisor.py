@@ -19,9 +19,10 @@ Failure states:
     per-lane heartbeat in the control block, or records waiting that long in
     its rings untaken): it is SIGKILLed, every page it still holds ends
     WORKER_DIED at once (counted in `stalled_pages`), and it is replaced as
-    above. Its pages' host slots stay reserved (fenced) until the killed
-    process is reaped: a page reported failed is never written into its slot
-    later, whatever the kernel finishes meanwhile;
+    above. Its pages' host slots stay reserved (fenced), and their ops not
+    done, until the killed process is reaped: a page reported failed is never
+    written into its slot later, whatever the kernel finishes meanwhile, and a
+    caller that reuses an op's slots at op.done cannot meet the fence;
   - a replacement cannot be started: the pool is broken (`BrokenPool`, one
     terminal state in workers.pool), and every later prefetch or backup
     says so; a healthy engine never does.
@@ -66,8 +67,6 @@ class Supervisor:
     evictor: EvictorProcess | None  # None: no storage limits
     drain_ring: Callable[[Ring], object]
     rescan: Callable[[], None]
-    # (killed stuck worker, host slots held until it is reaped)
-    fences: list = field(default_factory=list, init=False)
     stuck_workers: int = field(default=0, init=False)
     stalled_pages: int = field(default=0, init=False)
     _evictor_failed: Any = field(default=None, init=False)  # its Child that did not start
@@ -99,21 +98,17 @@ class Supervisor:
         # Fences lift before the watchdog looks: a worker killed in this pass is
         # never reaped in it, so its slots stay fenced at least until the next.
         for handle in self.pool.reaped():
-            for fenced, slots in self.fences:
-                if fenced is handle:
-                    self.ledger.fence(slots, False)
-            self.fences = [f for f in self.fences if f[0] is not handle]
+            self.ledger.unfence(handle, time.perf_counter_ns())
             if handle.state is WorkerState.REAPED:  # its replacement waited for this
                 self._respawn(handle)
         self._watchdog()
 
-    def fail_pages(self, index: int, fence: bool = False) -> np.ndarray:
-        """End every page still pending at worker `index` WORKER_DIED; their host
-        slots, which that worker may still write, when `fence`. Returns the slots."""
-        slots = self.ledger.fail_worker(index, time.perf_counter_ns())
-        if fence:
-            self.ledger.fence(slots, True)
-        return slots
+    def fail_pages(self, index: int, fence=None) -> np.ndarray:
+        """End every page still pending at worker `index` WORKER_DIED. `fence`:
+        the killed handle, when that worker may still write their host slots
+        (the ledger holds them, and their ops, until it is reaped). Returns the
+        slots."""
+        return self.ledger.fail_worker(index, time.perf_counter_ns(), fence=fence)
 
     def _replace_dead(self) -> None:
         ev = self.evictor
@@ -171,13 +166,12 @@ class Supervisor:
             age_s = float(stalled[index])
             self.pool.kill_stuck(handle)
             self.drain_ring(handle.completion_ring)  # pages it did finish are good
-            slots = self.fail_pages(index, fence=True)
-            self.fences.append((handle, slots))
+            slots = self.fail_pages(index, fence=handle)
             self.stuck_workers += 1
             self.stalled_pages += len(slots)
             log.error("hicache_mp-worker-%d (pid %d) is stuck: no progress for %.1fs, over "
                       "stall_timeout_s=%ss; killed, %d page(s) failed (their host slots stay "
-                      "reserved until it is gone); starting a replacement", index, handle.pid,
+                      "reserved, and their ops not done, until it is gone); starting a replacement", index, handle.pid,
                       age_s, self.config.stall_timeout_s, len(slots))
             self._respawn(handle)
 
@@ -205,4 +199,4 @@ class Supervisor:
 
     def metrics(self) -> dict:
         return {"stuck_workers": self.stuck_workers, "stalled_pages": self.stalled_pages,
-                "fenced_pages": sum(len(s) for _, s in self.fences)}
+                "fenced_pages": self.ledger.fenced_pages}
