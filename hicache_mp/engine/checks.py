@@ -1,30 +1,88 @@
 """Input checks of the engine's public calls: raised before anything is reserved.
 
 Owns what a bad argument is (a timeout, a pool size, a list of host slots)
-and the one clear ValueError it gets. Must not touch engine state: each
-check is a function of its arguments. The slot check runs on the scheduler's
-thread, so it keeps the GIL (shm.gilkeep: min/max in Python, no numpy
-reduction).
+and the one clear ValueError it gets, and the memory a pool may take: the
+machine's, and the limit of this process's memory cgroup (`memory_limit`,
+read through hicache_mp.engine.cpubudget's cgroup paths). Must not touch
+engine state or write a cgroup file: each check is a function of its
+arguments and of what the kernel says. The slot check runs on the
+scheduler's thread, so it keeps the GIL (shm.gilkeep: min/max in Python, no
+numpy reduction).
 """
 import math
+import os
+from dataclasses import dataclass
 
 import numpy as np
 import psutil
 
 from shm import gilkeep
 
+from .cpubudget import cgroup_levels, read_text
 
-def check_pool_size(nbytes: int) -> None:
+# cgroup v1 writes "no limit" as its largest counter (9223372036854771712 with
+# 4 KiB pages); v2 writes "max". Any limit this large is none.
+_NO_LIMIT = 1 << 62
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """The tightest memory limit over this process's cgroup and its ancestors."""
+    nbytes: int
+    version: int       # 1 or 2
+    directory: str     # the cgroup whose limit binds
+
+    @property
+    def file(self) -> str:
+        return "memory.max" if self.version == 2 else "memory.limit_in_bytes"
+
+
+def memory_limit(root: str = "/") -> MemoryLimit | None:
+    """This process's memory cgroup limit (the tightest of its cgroup and every
+    ancestor, each enforced by the kernel), or None where none is set or none
+    can be read. `root`: a cgroup tree laid in a directory, for tests."""
+    best = None
+    for version, d in cgroup_levels("memory", root):
+        name = "memory.max" if version == 2 else "memory.limit_in_bytes"
+        text = (read_text(os.path.join(d, name)) or "").strip()
+        if not text.isdigit() or int(text) >= _NO_LIMIT:
+            continue  # "max", no such file (no memory controller here), or v1's "none"
+        if best is None or int(text) < best.nbytes:
+            best = MemoryLimit(int(text), version, d)
+    return best
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
+
+
+def check_pool_size(nbytes: int, root: str = "/") -> None:
     """An absurd pool size is a ValueError here, before anything is allocated.
 
     Whatever backs the host pool (a /dev/shm segment, or a region handed over
     by fd), it needs that much memory; a segment created by the engine is also
-    checked against /dev/shm's free space (`shm.hostpool`).
+    checked against /dev/shm's free space (`shm.hostpool`). Shared memory is
+    charged to the memory cgroup of the process that makes it, so a pool over
+    the cgroup's limit gets the process OOM-killed while the pool is made,
+    with no message: refused here instead, naming the limit. Swap the machine
+    has counts, as for the machine's memory (a pool that would fit only in
+    swap is slow, not lost). `root`: see `memory_limit`.
     """
-    limit = psutil.virtual_memory().total + psutil.swap_memory().total
+    swap = psutil.swap_memory().total
+    limit = psutil.virtual_memory().total + swap
     if nbytes > limit:
         raise ValueError(f"a host pool of {nbytes / 2**30:.1f} GiB does not fit in this machine's "
                          f"memory ({limit / 2**30:.1f} GiB): lower host_pool_pages or the page size")
+    cg = memory_limit(root)
+    if cg is not None and nbytes > cg.nbytes + swap:
+        plus = f" and {_size(swap)} of swap" if swap else ""
+        raise ValueError(
+            f"a host pool of {_size(nbytes)} does not fit in this process's memory limit "
+            f"({_size(cg.nbytes)}{plus}: cgroup v{cg.version} {cg.file} at {cg.directory}). "
+            f"The pool is shared memory, charged to that limit, so the kernel would OOM-kill "
+            f"the process while the pool is made. Fix: lower host_pool_pages or the page size, "
+            f"or raise the container's memory limit (Kubernetes resources.limits.memory, "
+            f"docker run --memory), leaving room for the server's own memory too")
 
 
 def check_timeout(timeout_s, name: str = "timeout_s"):

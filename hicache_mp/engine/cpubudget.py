@@ -181,14 +181,14 @@ def _cgroup_paths(root: str) -> dict:
     return out
 
 
-def _cgroup_dirs(root: str):
-    """(version, leaf directory, mount point) for each hierarchy with the CPU controller."""
+def _cgroup_dirs(root: str, controller: str = "cpu"):
+    """(version, leaf directory, mount point) for each hierarchy with `controller`."""
     paths = _cgroup_paths(root)
     for mount_point, mount_root, fstype, opts in _mounts(root):
         if fstype == "cgroup2":
             path = paths.get("")
-        elif "cpu" in opts.split(","):
-            path = paths.get("cpu")
+        elif controller in opts.split(","):
+            path = paths.get(controller)
         else:
             continue
         if path is None:
@@ -227,19 +227,29 @@ def _limit(version: int, directory: str) -> tuple[float, str] | None:
     return (quota / period, f"{quota}/{period}") if quota > 0 and period > 0 else None
 
 
+def cgroup_levels(controller: str, root: str = "/"):
+    """(version, directory) of this process's cgroup and of each ancestor up to
+    its mount, leaf first, in the v1 hierarchy of `controller` and in the v2 one
+    (whose files for it exist only where the controller is on). `root`: a
+    cgroup tree laid in a directory, for tests. hicache_mp.engine.checks reads
+    the memory limit through it."""
+    for version, leaf, top in _cgroup_dirs(root, controller):
+        d = leaf
+        while True:
+            yield version, d
+            if d == top or len(d) <= len(top):
+                break
+            d = os.path.dirname(d)
+
+
 def read_quota(root: str = "/") -> Quota | None:
     """The tightest quota over this process's cgroup and its ancestors, in every
     hierarchy that has the CPU controller; None where there is none."""
     best = None
-    for version, leaf, top in _cgroup_dirs(root):
-        d = leaf
-        while True:
-            got = _limit(version, d)
-            if got and (best is None or got[0] < best.cpus):
-                best = Quota(got[0], version, d, got[1])
-            if d == top or len(d) <= len(top):
-                break
-            d = os.path.dirname(d)
+    for version, d in cgroup_levels("cpu", root):
+        got = _limit(version, d)
+        if got and (best is None or got[0] < best.cpus):
+            best = Quota(got[0], version, d, got[1])
     return best
 
 
