@@ -80,7 +80,9 @@ seconds, rates in GB/s = 1e9 bytes/s, lengths in tokens):
                   ttft_mean_over_baseline {label: ratio},
                   ttft_mean_over_best {label: ratio}
 
-Exit status: 0, or 1 when a prefetched page held the wrong bytes.
+Exit status: 0, 1 when a prefetched page held the wrong bytes, 2 for a
+usage error (a path that cannot be read or written, a bad value: one line
+naming it).
 """
 from __future__ import annotations
 
@@ -96,6 +98,7 @@ from workers.store import split_dirs
 from .bench.sim.bench import (ALL_RUNS, SLEEP0, Bench, BenchConfig, busy_machine_note,
                               fast_file_label, merge_reports, table_rows)
 from .bench.sim.plot import plot_report
+from .bench.sim.report import SCHEMA
 from .bench.sim.summary import format_comparison, format_summary, format_verdict
 from .engine.config import add_engine_flags, engine_options
 from .integrations.common.identity import model_identity
@@ -262,6 +265,17 @@ def cmd_import_sglang(args, argv=None) -> int:
     Files whose size does not match the geometry, of other models/ranks, or
     already present are skipped and reported. The source is never modified.
     """
+    if not os.path.isdir(args.src):
+        what = "is not a directory" if os.path.exists(args.src) else "does not exist"
+        print(f"hicache-mp import-sglang: --src {args.src} {what}: give the directory of "
+              f"SGLang's file store (SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, or "
+              f"file_storage_path; by default /tmp/hicache)", file=sys.stderr)
+        return 2
+    problem = _unusable_dir(args.dst)
+    if problem:
+        print(f"hicache-mp import-sglang: cannot use --dst {args.dst}: {problem}",
+              file=sys.stderr)
+        return 2
     geometry = PageGeometry(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads,
                             head_dim=args.head_dim, page_size=args.page_size, dtype=args.dtype,
                             mla=args.mla)
@@ -329,23 +343,33 @@ def cmd_bench(args, argv=None) -> int:
             print("--plot needs matplotlib: pip install -e .[plot]  (or: pip install matplotlib)",
                   file=sys.stderr)
             return 2
+    # Every path checked now, in one line each: not as a traceback, and not
+    # after minutes of runs whose figures could then not be written.
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        problem = path and _unwritable_file(path)
+        if problem:
+            print(f"hicache-mp bench: cannot write {flag} {path}: {problem}", file=sys.stderr)
+            return 2
     if args.merge:
         reports = []
         for path in args.merge:
-            with open(path) as f:
-                reports.append(json.load(f))
+            report, problem = _read_report(path)
+            if problem:
+                print(f"hicache-mp bench: --merge {path}: {problem}; expected a report "
+                      f"written by `hicache-mp bench --json PATH`", file=sys.stderr)
+                return 2
+            reports.append(report)
         report = merge_reports(reports)
         report["command"] = ["hicache-mp", "bench"] + list(argv or [])
         return _conclude(report, args)
     if args.storage_dir is not None:
         try:  # one clear line now, rather than a traceback from deep inside the warm-up
-            for directory in split_dirs(args.storage_dir):  # one, or a striped list
-                os.makedirs(directory, exist_ok=True)
-                if not os.access(directory, os.W_OK | os.X_OK):
-                    raise PermissionError(f"[Errno 13] not writable: {directory!r}")
-        except (OSError, ValueError) as exc:
-            print(f"hicache-mp bench: cannot use --storage-dir {args.storage_dir}: {exc}",
-                  file=sys.stderr)
+            problems = [_unusable_dir(d) for d in split_dirs(args.storage_dir)]
+        except ValueError as exc:   # one, or a striped list: a malformed list
+            problems = [str(exc)]
+        if any(problems):
+            print(f"hicache-mp bench: cannot use --storage-dir {args.storage_dir}: "
+                  f"{next(p for p in problems if p)}", file=sys.stderr)
             return 2
     bench = Bench(bench_config(args))
 
@@ -358,6 +382,49 @@ def cmd_bench(args, argv=None) -> int:
     report = bench.run(on_result=show)
     report["command"] = ["hicache-mp", "bench"] + list(argv or [])
     return _conclude(report, args)
+
+
+def _unusable_dir(directory: str) -> str:
+    """Why `directory` cannot hold pages ("" where it can, made if missing)."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except FileExistsError:
+        return "it is a file, not a directory"
+    except OSError as exc:
+        return f"cannot make it ({exc.strerror})"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return "the directory is not writable by this user"
+    return ""
+
+
+def _unwritable_file(path: str) -> str:
+    """Why a file cannot be written at `path` ("" where it can); nothing is made."""
+    if os.path.isdir(path):
+        return "it is a directory: give a file name"
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        return f"directory {parent} does not exist"
+    if not os.access(parent, os.W_OK | os.X_OK) or \
+            (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return "not writable by this user"
+    return ""
+
+
+def _read_report(path: str) -> tuple[dict | None, str]:
+    """(the JSON report at `path`, "") or (None, why it is not one)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+    except OSError as exc:
+        return None, exc.strerror or str(exc)
+    except ValueError as exc:   # not JSON, or not UTF-8
+        return None, f"not JSON ({exc})"
+    if not isinstance(report, dict) or report.get("schema") != SCHEMA:
+        return None, f"not a {SCHEMA} report"
+    missing = [k for k in ("config", "runs") if not isinstance(report.get(k), dict)]
+    if missing:
+        return None, f"a {SCHEMA} report without {' or '.join(missing)}"
+    return report, ""
 
 
 def _conclude(report: dict, args) -> int:
