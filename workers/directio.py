@@ -153,7 +153,8 @@ def probe_read(directory: str, why: str) -> tuple[bool | None, str]:
         buf = Scratch(ALIGN)
         fd = -1
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | O_DIRECT)
+            # O_NONBLOCK: a FIFO put there since the scan must not hold the start
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | O_DIRECT)
             os.preadv(fd, [buf.view], 0)
             return True, f"accepted for reads (no write probe: {why})"
         except OSError as exc:

@@ -24,6 +24,11 @@ as UNREADABLE (ELOOP) with no byte of the target copied; a fan-out directory
 that is a symlink fails the I/O, so nothing is written outside the store.
 The root itself may be a symlink: the operator chose it.
 
+A page file is opened O_NONBLOCK and must be a regular file (fstat): a FIFO
+at a page's path would otherwise hold the open until the stall watchdog kills
+the worker, and a device node would be read as a page. Anything else reads
+as UNREADABLE, left in place, and the next write renames a page over it.
+
 Fan-out directories are opened (and made, for a write) on every I/O, never
 remembered: after `rm -rf store/*`, or the store directory removed and made
 again, the next write makes its directories anew.
@@ -47,6 +52,10 @@ from workers.timing import TOUCH_INTERVAL_S
 _TOUCH_MEMORY = 1 << 16  # digests remembered for that rate limit, then forgotten
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _SUB_FLAGS = _DIR_FLAGS | os.O_NOFOLLOW
+# O_NONBLOCK: an open of a FIFO returns at once instead of waiting for a
+# writer. For a regular file it changes nothing: the kernel takes no-wait I/O
+# from RWF_NOWAIT, never from O_NONBLOCK, for page-cache and O_DIRECT reads alike.
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 
 # Damage that proves the file is not a usable page for anyone under this name.
 # UNREADABLE is left alone: a permission problem or a directory is an
@@ -112,13 +121,18 @@ class FileStore(PageStore):
         try:
             name = h + naming.PAGE_SUFFIX
             try:
-                fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | self.open_flags,
-                             dir_fd=leaf)
+                fd = os.open(name, _READ_FLAGS | self.open_flags, dir_fd=leaf)
             except FileNotFoundError:
                 return status.MISS, 0
             except OSError as exc:
                 return (status.MISS if exc.errno == errno.ESTALE else status.UNREADABLE), exc.errno or 0
             try:
+                mode = os.fstat(fd).st_mode
+                if not stat.S_ISREG(mode):
+                    # A FIFO, a device node, a directory: no page, and reading it may
+                    # block (a FIFO, a terminal) or copy a device's bytes. Not moved
+                    # aside: an operator's business, as other unreadable files are.
+                    return status.UNREADABLE, _not_a_file_errno(mode)
                 want = self.file_bytes
                 try:
                     got = preadv_full(fd, [bufs.header, *iovecs, bufs.overflow],
@@ -329,4 +343,13 @@ def _subdir(parent: int, name: str, create: bool) -> int:
     except FileExistsError:
         pass
     return os.open(name, _SUB_FLAGS, dir_fd=parent)
+
+
+def _not_a_file_errno(mode: int) -> int:
+    """The errno a read reports for a page path that is not a regular file."""
+    if stat.S_ISDIR(mode):
+        return errno.EISDIR
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        return errno.ESPIPE  # what a positioned read of one says
+    return errno.ENODEV      # a device node: no page here
 

@@ -4,7 +4,9 @@ Owns a minimal FUSE server spoken straight over /dev/fuse (no libfuse or
 Python FUSE package is installed here, and device-mapper's `error` target
 needs a kernel driver this machine lacks). Mounted over one fan-out leaf
 directory of a store, it shows each named file at its real size and answers
-READ with EIO, as a failing disk or a network filesystem does; every other
+READ with EIO, as a failing disk or a network filesystem does; given a
+`hold` event, it answers no READ until the event is set, as a hung network
+filesystem does (the reader waits in the kernel); every other
 request a page reader makes (lookup, getattr, open, release) is answered,
 the rest with ENOSYS. Must only run in a private mount namespace
 (`unshare(CLONE_NEWNS)`, done by `mount_eio`), so a dead server leaves no
@@ -27,6 +29,7 @@ LOOKUP, FORGET, GETATTR, OPEN, READ, RELEASE, FLUSH, INIT, OPENDIR, RELEASEDIR, 
     DESTROY, BATCH_FORGET = 1, 2, 3, 14, 15, 18, 25, 26, 27, 29, 38, 42
 _NO_REPLY = (FORGET, BATCH_FORGET)
 ROOT_ID = 1
+HOLD_S = 60.0
 
 
 def _libc():
@@ -42,10 +45,11 @@ def _check(rc: int, what: str) -> None:
 class EioDir:
     """Files `sizes` ({name: bytes}) in one directory; each read fails with EIO."""
 
-    def __init__(self, sizes: dict):
+    def __init__(self, sizes: dict, hold: threading.Event | None = None):
         self.names = list(sizes)
         self.sizes = dict(sizes)
-        self.reads = 0                      # READ requests answered with EIO
+        self.hold = hold                    # READ waits for it (at most HOLD_S)
+        self.reads = 0                      # READ requests received (answered with EIO)
         self.fd = -1
         self.mountpoint = None
         self._thread = None
@@ -77,6 +81,8 @@ class EioDir:
             return 0, struct.pack("<QII", 0, 0, 0)
         if opcode == READ:
             self.reads += 1
+            if self.hold is not None:
+                self.hold.wait(HOLD_S)  # bounded: a test that never sets it still ends
             return errno.EIO, b""
         if opcode in (RELEASE, RELEASEDIR, FLUSH):
             return 0, b""
@@ -123,8 +129,8 @@ def private_mounts() -> None:
     _check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
 
 
-def mount_eio(leaf_dir: str, sizes: dict) -> EioDir:
+def mount_eio(leaf_dir: str, sizes: dict, hold: threading.Event | None = None) -> EioDir:
     """An EioDir of `sizes` mounted over `leaf_dir` (call private_mounts() first)."""
-    d = EioDir(sizes)
+    d = EioDir(sizes, hold)
     d.mount(leaf_dir)
     return d

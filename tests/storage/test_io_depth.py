@@ -2,16 +2,15 @@
 
 What a user notices: the bytes are the same as with one I/O at a time (both
 layouts, reads and writes mixed, O_DIRECT where the filesystem allows it); a
-page whose file stalls (a FIFO stands in for a hung network-filesystem read)
-does not hold up the worker's other pages; reads still go first; a bad
+page whose read hangs (a FUSE directory that answers late stands in for a
+hung network filesystem) does not hold up the worker's other pages; reads still go first; a bad
 setting is refused before any worker starts; nothing is left behind.
 """
 import os
-import threading
 
 import pytest
 
-from faultkit import MID, backup, content, fingerprint, make, page_file, prefetch, put, \
+from faultkit import MID, backup, content, fingerprint, make, prefetch, put, run_child, \
     wrong_pages
 from hicache_mp import EngineConfig
 from storagekit import cont, stop_workers
@@ -39,46 +38,60 @@ def test_pages_round_trip_byte_exact_with_reads_and_writes_mixed(store, layout):
         assert back.status == "ok" and not wrong_pages(e, back, _allowed(e))
 
 
-def _stall(e, key) -> str:
-    """Replace `key`'s page file with a FIFO: a read of it blocks in open()."""
-    path = page_file(e, key)
-    os.unlink(path)
-    os.mkfifo(path, 0o600)
-    return path
-
-
-def _release(path) -> None:
-    """Let the stalled open() return: a writer arrives and leaves at once."""
-    fd = os.open(path, os.O_WRONLY)  # the worker is the reader, so this does not block
-    os.close(fd)
+STALL = """
+import os, threading
+import eiofuse
+from faultkit import MID, backup, content, fingerprint, make, page_file, wrong_pages
+depth, others_finish = args[1], args[2]
+eiofuse.private_mounts()     # before the workers start: they share the mount
+hold = threading.Event()
+with make(args[0], geo=MID, pages=32, workers=1, io_depth=depth) as e:
+    pb = e.geometry.page_bytes
+    allowed = lambda k: {fingerprint(content(k, pb))}
+    keys = [f"k-{i}" for i in range(9)]
+    result["backup"] = backup(e, keys, range(9)).status
+    path = page_file(e, keys[0])
+    leaf = os.path.dirname(path)
+    result["alone"] = os.listdir(leaf) == [os.path.basename(path)]
+    # k-0's fan-out leaf becomes a filesystem whose reads hang until `hold`
+    fuse = eiofuse.mount_eio(leaf, {os.path.basename(path): os.stat(path).st_size}, hold)
+    try:
+        slow = e.prefetch(keys[:1], [10])
+        rest = e.prefetch(keys[1:], range(11, 19))
+        # With lanes, the rest lands (waited for); with one, it is queued behind
+        # the hung read until `hold` is set: nothing can land meanwhile, so a
+        # second of not landing shows it as well as five.
+        result["finished"] = e.wait(rest, 5.0 if others_finish else 1.0)
+        result["rest_early"] = rest.status_counts()
+        result["slow_done_early"] = slow.done
+        result["rest_right_early"] = result["finished"] and rest.status == "ok" and \
+            not wrong_pages(e, rest, allowed)
+    finally:
+        hold.set()               # never leave a lane hung: close() would wait for it
+    result["ended"] = e.wait(slow, 10) and e.wait(rest, 10)
+    result["reads"] = fuse.reads
+    result["slow"] = slow.status_counts()
+    result["rest_right"] = rest.status == "ok" and not wrong_pages(e, rest, allowed)
+    fuse.unmount()
+"""
 
 
 @pytest.mark.parametrize("depth, others_finish", [(3, True), (1, False)])
 def test_a_stalled_page_holds_up_the_other_pages_only_without_depth(store, depth, others_finish):
-    with make(store, geo=MID, pages=32, workers=1, io_depth=depth) as e:
-        keys = [f"k-{i}" for i in range(9)]
-        assert backup(e, keys, range(9)).status == "ok"
-        path = _stall(e, keys[0])
-        released = False
-        try:
-            slow = e.prefetch(keys[:1], [10])
-            rest = e.prefetch(keys[1:], range(11, 19))
-            # With lanes, the rest lands (waited for); with one, it is queued behind
-            # the read blocked in open() until _release: nothing can land meanwhile,
-            # so a second of not landing shows it as well as five.
-            finished = e.wait(rest, 5.0 if others_finish else 1.0)
-            assert finished == others_finish, rest.status_counts()
-            assert not slow.done
-            if finished:
-                assert rest.status == "ok" and not wrong_pages(e, rest, _allowed(e))
-            _release(path)
-            released = True
-            assert e.wait(slow, 10) and e.wait(rest, 10)
-            assert slow.status_counts() == {"unreadable": 1}  # a FIFO is no page (preadv: EINVAL)
-            assert rest.status == "ok" and not wrong_pages(e, rest, _allowed(e))
-        finally:
-            if not released:  # never leave a lane blocked: close() would wait for it
-                threading.Thread(target=_release, args=(path,), daemon=True).start()
+    """A hung network-filesystem read, for real: a FUSE directory whose READ is
+    answered only when the test says so (tests/faults/eiofuse.py, in a child's
+    private mount namespace)."""
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse for a hung read")
+    got = run_child(STALL, store, depth, others_finish, unprivileged=False)
+    assert got["backup"] == "ok" and got["alone"], got
+    assert got["finished"] == others_finish, got
+    assert not got["slow_done_early"] and got["reads"] >= 1, got  # it hung in the filesystem
+    if others_finish:
+        assert got["rest_right_early"], got
+    assert got["ended"], got
+    assert got["slow"] == {"unreadable": 1}, got  # the filesystem's EIO once it answers
+    assert got["rest_right"], got
 
 
 def test_reads_still_go_before_queued_writes(store):
