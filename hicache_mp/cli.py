@@ -120,19 +120,64 @@ def _worker_counts(text: str) -> tuple:
     return counts
 
 
-def _command(sub, name: str, func) -> argparse.ArgumentParser:
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter,
+                     argparse.ArgumentDefaultsHelpFormatter):
+    """Each default in --help; the description and the examples below the
+    options as written (argparse would run an example's lines together)."""
+
+
+# The worker count on the three machines the defaults are for (decision 89):
+# auto sizes the I/O workers from what this process may keep busy, the
+# cgroup's CPU quota included, so a pod needs no setting of its own.
+BENCH_EPILOG = """\
+examples, one per machine (the I/O workers: auto by default, sized from the
+CPUs this process may use: physical cores, CPU affinity and the cgroup's CPU
+quota, less one for the scheduler's process, two above 8 CPUs):
+  laptop, 4 cores: auto runs 3 workers
+    hicache-mp bench --quick
+  bare-metal node shared with other work: count only the cores it may take
+  (16: auto runs 14 workers)
+    HICACHE_MP_NODE_CORES=16 hicache-mp bench --quick
+  small pod, CPU limit 4: auto reads the quota and runs 3 workers; a count of
+  your own is used as given (one above the budget is warned of: it gets the
+  pod throttled)
+    hicache-mp bench --quick --hicache-mp-workers 2
+"""
+TOP_EPILOG = BENCH_EPILOG + """
+the same setting in SGLang: "num_workers" in --hicache-storage-backend-extra-config;
+in vLLM: "num_workers" in the tier's dict (0 = auto, as here). `hicache-mp
+COMMAND --help` tells each command's options.
+"""
+IMPORT_EPILOG = """\
+examples, one per machine (--workers: 2 by default; 0 = auto, sized from the
+CPUs this process may use: physical cores, CPU affinity and the cgroup's CPU
+quota, less one for this process, two above 8 CPUs):
+  laptop: the default 2 workers
+    hicache-mp import-sglang --src /tmp/hicache --dst /mnt/nvme/hicache_mp \\
+      --layout page_first --model meta-llama/Llama-3.1-8B-Instruct \\
+      --num-layers 32 --num-kv-heads 8 --head-dim 128 --page-size 64
+  bare-metal node shared with other work: auto, counting only the cores it may
+  take (16: 14 workers)
+    HICACHE_MP_NODE_CORES=16 hicache-mp import-sglang ... --workers 0
+  small pod, CPU limit 4: auto reads the quota and runs 3 workers
+    hicache-mp import-sglang ... --workers 0
+"""
+
+
+def _command(sub, name: str, func, epilog: str | None = None) -> argparse.ArgumentParser:
     """Sub-command `name`'s parser: it runs `func`, shows each default in --help,
     and takes its texts from `func`'s docstring: the first paragraph is the
-    help, the rest the description (argparse fills both anew; none under -OO)."""
+    help, the rest the description (argparse fills both anew; none under -OO);
+    `epilog`, examples after the options."""
     help_line, _, description = inspect.cleandoc(func.__doc__ or "").partition("\n\n")
-    p = sub.add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                       help=help_line, description=description)
+    p = sub.add_parser(name, formatter_class=_HelpFormatter, help=help_line,
+                       description=description, epilog=epilog)
     p.set_defaults(func=func)
     return p
 
 
 def _bench_parser(sub) -> argparse.ArgumentParser:
-    p = _command(sub, "bench", cmd_bench)
+    p = _command(sub, "bench", cmd_bench, epilog=BENCH_EPILOG)
     p.add_argument("--quick", action="store_true",
                    help="the same workload at reduced scale, proportions kept: 4 layers x 4 KV "
                         "heads x 64 dims (256 KiB pages), prompts and chunk size x0.1, every "
@@ -186,8 +231,9 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hicache-mp",
-                                     description="GIL-free multiprocess KV prefetch engine tools")
+    parser = argparse.ArgumentParser(
+        prog="hicache-mp", description="GIL-free multiprocess KV prefetch engine tools",
+        formatter_class=_HelpFormatter, epilog=TOP_EPILOG)
     sub = parser.add_subparsers(dest="command", required=True)
     _bench_parser(sub)
     _import_sglang_parser(sub)
@@ -211,7 +257,7 @@ def cmd_sglang_serve(args, argv=None) -> int:
     `python -m sglang.launch_server` would, with the arguments after `--`.
     Any other SGLang version is refused. Example:
 
-        hicache-mp sglang-serve -- --model-path Qwen/Qwen3-8B \
+        hicache-mp sglang-serve -- --model-path Qwen/Qwen3-8B \\
             --enable-hierarchical-cache --hicache-storage-backend file
     """
     rest = args.server_args[1:] if args.server_args[:1] == ["--"] else args.server_args
@@ -220,7 +266,7 @@ def cmd_sglang_serve(args, argv=None) -> int:
 
 # --- import-sglang (logic: hicache_mp.integrations.sglang.store_import) --------
 def _import_sglang_parser(sub) -> argparse.ArgumentParser:
-    p = _command(sub, "import-sglang", cmd_import_sglang)
+    p = _command(sub, "import-sglang", cmd_import_sglang, epilog=IMPORT_EPILOG)
     p.add_argument("--src", required=True, help="SGLang store (SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR "
                                                 "or file_storage_path; default there /tmp/hicache)")
     p.add_argument("--dst", required=True, help="hicache_mp store directory (the backend's storage_dir)")
@@ -250,7 +296,8 @@ def _import_sglang_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, required=True)
     p.add_argument("--page-size", type=int, required=True, help="tokens per page")
     p.add_argument("--dtype", default="bfloat16", help="KV cache dtype")
-    p.add_argument("--workers", type=int, default=2, help="I/O worker processes")
+    p.add_argument("--workers", type=int, default=2,
+                   help="I/O worker processes; 0 = auto (the engine's num_workers)")
     p.add_argument("--overwrite", action="store_true", help="rewrite pages already in --dst")
     return p
 

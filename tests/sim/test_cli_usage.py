@@ -70,3 +70,18 @@ def test_a_bad_path_is_refused_before_anything_runs(tmp_path, capsys):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip() == f"hicache-mp bench: --merge {missing}: No such file or " \
         f"directory; expected a report written by `hicache-mp bench --json PATH`"
+
+
+def test_help_shows_the_worker_setting_for_each_machine():
+    """--help of hicache-mp, bench and import-sglang: an example each for a
+    laptop, a bare-metal node and a small pod, line breaks kept."""
+    top, bench, imp = (cli_run(*argv).stdout for argv in
+                       (["--help"], ["bench", "--help"], ["import-sglang", "--help"]))
+    for text in (top, bench, imp):
+        assert "laptop" in text and "bare-metal node" in text and "CPU limit 4" in text
+        assert "HICACHE_MP_NODE_CORES=16 hicache-mp " in text
+    for text in (top, bench):
+        assert "\n    hicache-mp bench --quick\n" in text
+        assert "\n    hicache-mp bench --quick --hicache-mp-workers 2\n" in text
+    assert '"num_workers" in --hicache-storage-backend-extra-config' in top
+    assert "\n    hicache-mp import-sglang ... --workers 0\n" in imp
