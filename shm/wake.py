@@ -2,11 +2,13 @@
 
 Owns the sleep/post protocol. The scheduler posts once per batch, never once
 per page; a sleeper wakes on a post or after a timeout (so it can check on its
-parent). posix_ipc releases the GIL while it waits, so a thread blocked here
-never starves the scheduler. A signal that interrupts the sleep (any process
-with a Python signal handler, as servers have) resumes it within the same
-deadline: a wait ends only on a post or on its timeout. Must not carry data:
-the rings do that.
+parent). The sleep is libc's sem_timedwait, called with the GIL released, so
+a thread blocked here never starves the scheduler. A signal that interrupts
+the sleep (any process with a Python signal handler, as servers have) resumes
+it within the same deadline once its handler returns: a wait ends only on a
+post, on its timeout, or with what the handler raised (SystemExit from a
+SIGTERM handler's sys.exit, KeyboardInterrupt), which reaches the caller
+(decision 99). Must not carry data: the rings do that.
 
 Closing is safe at any point of another call, also from a signal handler
 that interrupted a wait on the same thread: a closed semaphore ends every
@@ -15,6 +17,9 @@ goes at once, its handles only once no call is inside them (closing a handle
 a thread sleeps on, or is about to try, is undefined behaviour in POSIX).
 """
 import ctypes
+import errno
+import functools
+import os
 import threading
 import time
 
@@ -34,11 +39,62 @@ _libc = loader(ctypes.PyDLL, {
 _SEM_FAILED = ctypes.c_void_p(-1).value
 
 
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+# The sleep, with the GIL released (CDLL). Not posix_ipc's acquire(): on EINTR
+# it runs the Python signal handler itself (PyErr_CheckSignals) and then
+# replaces whatever the handler raised, but KeyboardInterrupt, by SignalError,
+# with no trace of it (no __context__): a SIGTERM handler's sys.exit() was
+# lost, and the server ran on. Called through ctypes, the interrupted call
+# just returns -1/EINTR; the interpreter runs the handler as the call returns,
+# in the waiting frame, so what it raises propagates like any exception.
+_sleeping_libc = loader(ctypes.CDLL, {
+    "sem_wait": (ctypes.c_int, [ctypes.c_void_p]),
+    "sem_timedwait": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(_Timespec)]),
+})
+
+
+@functools.cache
+def _sleeper():
+    """libc's sleeping calls, or None where it has none (no sem_timedwait:
+    macOS); there posix_ipc's acquire() sleeps, and a handler's exception
+    other than KeyboardInterrupt is lost (posix_ipc drops it)."""
+    try:
+        return _sleeping_libc()
+    except (OSError, AttributeError):
+        return None
+
+
+def _deadline(left: float):
+    """sem_timedwait's absolute deadline `left` seconds from now, on its clock
+    (CLOCK_REALTIME)."""
+    ns = time.time_ns() + int(left * 1e9)
+    return ctypes.byref(_Timespec(ns // 1_000_000_000, ns % 1_000_000_000))
+
+
+def _outcome(rc: int) -> bool | None:
+    """What a libc sem_wait, sem_timedwait or sem_trywait returned: True
+    taken, False timed out (or nothing pending), None interrupted by a signal
+    (EINTR: the handler has run and returned; one that raised never gets here)."""
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.EINTR:
+        return None
+    if err in (errno.ETIMEDOUT, errno.EAGAIN):
+        return False
+    if err in (errno.EINVAL, errno.EBADF):
+        raise posix_ipc.ExistentialError("The semaphore does not exist")  # as posix_ipc says it
+    raise OSError(err, os.strerror(err))
+
+
 class WakeSemaphore:
     def __init__(self, name: str, *, create: bool, mode: int = 0o600):
         self.name = name
         self.owner = create
-        self._raw = None  # libc handle for take_pending, opened on first use
+        self._raw = None  # libc handle (sleep, post, trywait), opened on first use
         # Calls inside a handle now, and whether close() came: the handles go
         # when the last of them leaves. Reentrant: close() may run in a signal
         # handler on a thread that is inside wait().
@@ -102,40 +158,64 @@ class WakeSemaphore:
     def wait(self, timeout_s: float | None) -> bool:
         """Sleep until posted or the timeout passes (None: no timeout). True if
         posted; False at the timeout, and at once when the semaphore is closed
-        (also by a signal handler that interrupted this wait)."""
+        (also by a signal handler that interrupted this wait). A signal's
+        handler runs as the sleep on the main thread is interrupted: what it
+        raises ends the wait and propagates; if it returns, the sleep resumes
+        with the time left."""
         if not self._enter():
             return False
         try:
+            if timeout_s is not None and timeout_s == float("inf"):
+                timeout_s = None
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
-            left = timeout_s
+            raw, libc = self._raw_handle(), _sleeper()
             while not self._closed:
-                try:
-                    self._sem.acquire(left)
-                    return True
-                except posix_ipc.BusyError:
-                    return False
-                except posix_ipc.SignalError:
-                    # EINTR: the handler itself runs (and may raise) at the next bytecode
-                    if deadline is not None:
-                        left = max(0.0, deadline - time.monotonic())
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                # The blocking calls stay in this frame, each on a line of its
+                # own: the GIL tracer (hicache_mp.bench.giltrace) finds a
+                # wait's sleep by the frame and line that ran last before it.
+                if not raw or libc is None:
+                    got = self._acquire(left)
+                elif left is None:
+                    got = _outcome(libc.sem_wait(raw))
+                elif left > 0:
+                    until = _deadline(left)
+                    got = _outcome(libc.sem_timedwait(raw, until))
+                else:
+                    got = _outcome(_libc().sem_trywait(raw))  # never blocks: the GIL kept
+                if got is not None:
+                    return got
+                # EINTR: the handler ran and returned (on another thread than
+                # the main one, it runs there): sleep what is left.
             return False
         finally:
             self._leave()
 
     def drain(self) -> None:
-        """Consume pending posts, so a burst of batches costs one wake-up."""
+        """Consume pending posts, so a burst of batches costs one wake-up.
+        libc's sem_trywait, the GIL kept: it never blocks."""
         if not self._enter():
             return
         try:
+            raw = self._raw_handle()
             while not self._closed:
-                try:
-                    self._sem.acquire(0)
-                except posix_ipc.BusyError:
+                got = _outcome(_libc().sem_trywait(raw)) if raw else self._acquire(0)
+                if got is False:
                     return
-                except posix_ipc.SignalError:
-                    continue
         finally:
             self._leave()
+
+    def _acquire(self, left: float | None) -> bool | None:
+        """posix_ipc's acquire, where libc cannot serve (no handle, no
+        sem_timedwait): True taken, False busy, None interrupted. Called
+        between _enter and _leave."""
+        try:
+            self._sem.acquire(left)
+            return True
+        except posix_ipc.BusyError:
+            return False
+        except posix_ipc.SignalError:
+            return None  # the handler ran inside acquire(); what it raised is lost there
 
     def close(self) -> None:
         """Unlink the name (if ours) now; the handles once no call is inside

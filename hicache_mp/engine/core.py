@@ -202,7 +202,9 @@ class EngineCore(IndexLookups, Closing, Ownership):
         """Block (GIL released) until `op` is done (True) or the timeout passes (False).
 
         `timeout_s`: seconds, or None / inf for none. Signals do not end the wait
-        early (an interrupted sleep is resumed within the deadline). On a closed
+        early (an interrupted sleep is resumed within the deadline), but what a
+        handler raises (SystemExit from sys.exit, KeyboardInterrupt) ends it and
+        reaches the caller, the engine left consistent (decision 99). On a closed
         engine, also one closed meanwhile by another thread or by a signal
         handler that interrupted this wait, raises EngineClosed.
         """
