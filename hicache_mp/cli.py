@@ -34,6 +34,15 @@ seconds, rates in GB/s = 1e9 bytes/s, lengths in tokens):
     workload      num_requests, prompt_len_{mean,p90,p99},
                   output_len_{mean,p90,p99}, hit_rate (what was generated)
     warmup        pages_written, pages_present, bytes, seconds, gbps
+    cpu_budget    what the mp engines' workers were sized from, as the warm-up
+                  engine found it (hicache_mp.engine.cpubudget): cpus (whole
+                  CPUs this process may keep busy), bound_by (which limit
+                  gave them: "physical cores", "HICACHE_MP_NODE_CORES",
+                  "affinity" or "cgroup quota"), source (the same in words),
+                  host_cores, affinity, quota_cpus (null: no quota), override
+                  (HICACHE_MP_NODE_CORES given), workers (what the engine
+                  runs), workers_setting ("auto", or "explicit":
+                  --hicache-mp-workers N)
     runs.<label>  one per run; label is none | file | file+yield | fast_file | fast_file-r<N> | mp
       backend, policy, yield_ms, duration_s, loop_iters,
                   load_avg [1-minute load average before, after]
@@ -72,7 +81,9 @@ seconds, rates in GB/s = 1e9 bytes/s, lengths in tokens):
       host_slots_low_water   fewest free host slots seen
       engine      workers, read_gbps, write_gbps, read_bytes, write_bytes,
                   worker_busy [fraction per worker], misses, poll_calls,
-                  respawns (those the backend reports)
+                  respawns, cpu (mp: the budget as in cpu_budget, with its
+                  cgroup's throttle counts over the run) (those the backend
+                  reports)
       requests    [{rid, prompt_len, output_len, cached_len, ttft_s,
                   latency_s, itl_s [..]}]
       batches     {prefill: n, decode: n}

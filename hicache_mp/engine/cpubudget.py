@@ -29,6 +29,10 @@ from dataclasses import dataclass
 log = logging.getLogger("hicache_mp")
 
 NODE_CORES_ENV = "HICACHE_MP_NODE_CORES"
+# What a budget's CPUs came from (CpuBudget.bound_by), for reports that sort
+# machines by it: the host's count (physical, or the operator's), or the
+# affinity mask or the cgroup quota below it.
+BOUNDS = ("physical cores", NODE_CORES_ENV, "affinity", "cgroup quota")
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class CpuBudget:
     affinity: int               # CPUs in the affinity mask
     quota: Quota | None         # the binding quota, or None
     override: bool = False      # HICACHE_MP_NODE_CORES gave `host_cores`
+    bound_by: str = "physical cores"  # which limit gave `cpus`: one of BOUNDS
 
     @property
     def scope(self) -> str:
@@ -67,9 +72,10 @@ class CpuBudget:
         return "host"
 
     def as_dict(self) -> dict:
-        return {"cpus": self.cpus, "source": self.source, "host_cores": self.host_cores,
-                "affinity": self.affinity,
-                "quota_cpus": None if self.quota is None else round(self.quota.cpus, 3)}
+        return {"cpus": self.cpus, "bound_by": self.bound_by, "source": self.source,
+                "host_cores": self.host_cores, "affinity": self.affinity,
+                "quota_cpus": None if self.quota is None else round(self.quota.cpus, 3),
+                "override": self.override}
 
 
 def _stat(path: str):
@@ -124,15 +130,17 @@ def read_budget(root: str = "/", *, affinity: int | None = None,
     aff = affinity if affinity is not None else len(_affinity())
     quota = read_quota(root)
     cpus, source = host, f"{NODE_CORES_ENV}={given}" if given else f"{host} physical cores"
+    bound = NODE_CORES_ENV if given else "physical cores"
     # A mask of every online CPU is no limit: the host's count stands (physical
     # cores, not hyperthreads, as before; or the operator's).
     if aff < _online_cpus() and aff < cpus:
-        cpus, source = aff, f"affinity: {aff} of {_online_cpus()} CPUs"
+        cpus, source, bound = aff, f"affinity: {aff} of {_online_cpus()} CPUs", "affinity"
     if quota is not None and math.floor(quota.cpus) < cpus:
-        cpus, source = max(1, math.floor(quota.cpus)), quota.describe()
+        cpus, source, bound = max(1, math.floor(quota.cpus)), quota.describe(), "cgroup quota"
         if quota.cpus < 1:
             source += " (below one CPU: counted as one)"
-    return CpuBudget(max(1, cpus), source, host, aff, quota, override=bool(given))
+    return CpuBudget(max(1, cpus), source, host, aff, quota, override=bool(given),
+                     bound_by=bound)
 
 
 # --- cgroups ------------------------------------------------------------------------

@@ -120,6 +120,7 @@ class Bench:
         self._check_pool()
         self.nonce = secrets.token_hex(4)
         self.pagebytes = PageBytes(self.geometry, seed=cfg.seed)
+        self.cpu_budget = None  # the report's cpu_budget, from the warm-up's engine
 
     # --- sizing ---------------------------------------------------------------
     def _cached_pages(self) -> list[int]:
@@ -169,6 +170,7 @@ class Bench:
             self._check_disk(store)
             report = self._header(store)
             report["warmup"] = self.warm_up(store)
+            report["cpu_budget"] = self.cpu_budget
             for label in cfg.runs:
                 load0 = os.getloadavg()[0]
                 res = self.run_backend(label, store)
@@ -244,7 +246,13 @@ class Bench:
                 if not eng.wait(op, 600.0) or op.status != "ok":
                     raise RuntimeError(f"warm-up write failed: {op.status} {op.status_counts()}")
                 written += len(keys)
-            workers = eng.metrics()["workers"]
+            m = eng.metrics()
+            workers = m["workers"]
+            # What the mp engines' workers were sized from, as the engine found it
+            # (hicache_mp.engine.cpubudget, through its metrics: no second reading).
+            cpu = {k: v for k, v in m["cpu"].items() if k != "throttle"}
+            self.cpu_budget = {**cpu, "workers": workers,
+                               "workers_setting": "explicit" if self.cfg.workers else "auto"}
         secs = time.perf_counter() - t0
         nbytes = written * g.page_bytes
         self.log(f"warm-up: wrote {written} pages ({nbytes / 1e6:.0f} MB) in {secs:.1f} s "

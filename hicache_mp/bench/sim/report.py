@@ -71,7 +71,7 @@ def figures(res: RunResult, page_size: int) -> dict:
         "host_slots_low_water": res.slots_low_water,
         "engine": {k: m.get(k) for k in ("workers", "read_gbps", "write_gbps", "read_bytes",
                                          "write_bytes", "worker_busy", "misses", "poll_calls",
-                                         "respawns") if k in m},
+                                         "respawns", "cpu") if k in m},
         "requests": [
             {"rid": r.rid, "prompt_len": r.prompt_len, "output_len": r.output_len,
              "cached_len": r.cached_len, "ttft_s": r.ttft_s, "latency_s": r.latency_s,
