@@ -1,5 +1,10 @@
 """API edges (issue 11, item 9): close() from another thread, timeouts, the
-default policy the README's loop relies on, a store path that cannot be made."""
+default policy the README's loop relies on, a store path that cannot be made.
+
+Reaches inside: the engine's `_sleepers` (the threads asleep in it: close()
+from another thread is tested once all three waiters sleep, so it has to
+wake them, not find them still on their way in; no public call counts them).
+"""
 import contextlib
 import errno
 import math
@@ -25,7 +30,7 @@ def test_close_from_another_thread_while_waiting_gives_engine_closed(store):
     e.wait(e.backup(["a"], [0]), 30)
     worker = e.worker_pids()[0]
     os.kill(worker, signal.SIGSTOP)  # the op cannot finish: the waiter stays asleep
-    resume_when_told_to_stop(e, e._pool.workers[0])  # close() lets it go, not a timer
+    resume_when_told_to_stop(e, 0)  # close() lets it go, not a timer
     try:
         op = e.prefetch(["a"], [1])
         got = []

@@ -9,6 +9,14 @@ torch would cost seconds per start.
 Page bytes are handled in canonical order (what a page file holds), read from
 and written to the host pool's shared mapping through `PageGeometry.page_runs`,
 so a check never depends on the host layout.
+
+Reaches inside: the engine's `_control` (the control block: the evictor's
+pass count, a worker's heartbeat and read counters, to catch it inside a read
+or know a pass ended), `_evictor` (its wake-up semaphore, to start a pass
+now) and `_pool` (a worker's child handle, whose stop() is wrapped to let a
+SIGSTOPped worker go once close() asks it to stop). Fault injection and
+observing a worker mid-I/O: no public call may offer these. Workers are named
+by index here; their pids come from the public `worker_pids()`.
 """
 import ctypes
 import hashlib
@@ -141,6 +149,11 @@ def evictor_passes(eng) -> int:
     return int(eng._control.words[EVICT_PASSES])
 
 
+def wake_evictor(eng) -> None:
+    """Post eng's evictor's wake-up: it starts a pass now, not at its interval."""
+    eng._evictor.wake.post()
+
+
 def a_pass_begun_now_ended(eng, timeout_s: float = 10.0) -> None:
     """Return once a pass of eng's evictor that began after this call has
     ended, its removals heard of. The first pass counted from now is the one
@@ -148,7 +161,7 @@ def a_pass_begun_now_ended(eng, timeout_s: float = 10.0) -> None:
     wake-up and pass cover the first case."""
     first = evictor_passes(eng)
     for n in (1, 2):
-        eng._evictor.wake.post()
+        wake_evictor(eng)
         assert settle(lambda: evictor_passes(eng) >= first + n, timeout_s, 0.002), \
             "the evictor ran no pass"
     eng.poll()
@@ -214,9 +227,9 @@ def stop_during_io(pid: int, wanted, timeout_s: float = 10.0, run_s: float = 0.0
     return stop_when(pid, held, timeout_s, run_s)
 
 
-def catch_in_read(eng, victim, submit, steps, tries: int = 40):
-    """Call `submit()` (a prefetch; returns its op) with worker `victim`
-    stopped, and step the victim until it is inside one of its reads (its
+def catch_in_read(eng, victim: int, submit, steps, tries: int = 40):
+    """Call `submit()` (a prefetch; returns its op) with worker `victim` (an
+    index) stopped, and step the victim until it is inside one of its reads (its
     heartbeat set: a page I/O as the watchdog sees one). Returns the op with
     the victim left stopped, or None. A page-cache read of 2 MiB is short: a
     try often ends with all of the victim's reads done between two stops; it
@@ -224,8 +237,9 @@ def catch_in_read(eng, victim, submit, steps, tries: int = 40):
     next step length of `steps` (fresh-clone CI runs missed 4 and 8 tries of
     5 s each when only an open page file counted and a try ran to its end)."""
     from workers.control import READS_DONE, READS_SUBMITTED
-    beat = eng._control.heartbeat[victim.index]
-    row = eng._control.workers[victim.index]
+    pid = eng.worker_pids()[victim]
+    beat = eng._control.heartbeat[victim]
+    row = eng._control.workers[victim]
 
     def caught():
         if beat.any():
@@ -233,11 +247,11 @@ def catch_in_read(eng, victim, submit, steps, tries: int = 40):
         return "missed" if int(row[READS_DONE]) >= int(row[READS_SUBMITTED]) else None
 
     for attempt in range(tries):
-        os.kill(victim.pid, signal.SIGSTOP)
+        os.kill(pid, signal.SIGSTOP)
         op = submit()
-        if stop_when(victim.pid, caught, 5.0, steps[attempt % len(steps)]) == "read":
+        if stop_when(pid, caught, 5.0, steps[attempt % len(steps)]) == "read":
             return op
-        os.kill(victim.pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGCONT)
         assert eng.wait(op, 30) and op.status == "ok"
     return None
 
@@ -262,13 +276,13 @@ def _wait_stopped(pid: int) -> None:
         time.sleep(0.0001)
 
 
-def resume_when_told_to_stop(eng, worker) -> None:
-    """SIGCONT the SIGSTOPped `worker` (a WorkerHandle of `eng`) once eng's
+def resume_when_told_to_stop(eng, worker: int) -> None:
+    """SIGCONT the SIGSTOPped `worker` (eng's worker of that index) once eng's
     close() has told its workers to stop: its flush is over by then and what
     the worker held is left to be cancelled. The worker then exits at once,
     where close() would sit out STOP_GRACE_S (2 s) before its SIGKILL (a test
     of that bound lets it). Its stop word is set before close() waits on it."""
-    child = worker.child
+    child = eng._pool.workers[worker].child
     wait_for_exit = child.stop
 
     def stop(deadline):

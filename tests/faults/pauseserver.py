@@ -9,6 +9,10 @@ done (the test watches the workers' heartbeats there), then, at the
 end, ``RESULT <json>``: rounds, page statuses, pages reported ok with wrong
 bytes, waits that timed out, acknowledged pages not read back whole,
 metrics' stuck_workers and stalled_pages.
+
+Reaches inside: the engine's `_control` (the control segment's name, printed
+so the test can map it and watch the workers' heartbeats from outside while
+the whole server is paused; no public call names the segment).
 """
 import functools
 import json

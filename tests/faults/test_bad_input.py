@@ -55,7 +55,7 @@ def test_more_bad_input(eng, keys, pages, kw, match):
 def test_slot_held_by_an_op_in_flight_is_refused(store):
     with make(store, pages=8, workers=1) as e:
         put(e, 0, b"\0" * e.geometry.page_bytes)
-        worker = e._pool.workers[0].pid
+        worker = e.worker_pids()[0]
         os.kill(worker, signal.SIGSTOP)  # the op cannot finish while we probe
         try:
             op = e.backup(["a", "b"], [0, 1])

@@ -7,6 +7,12 @@
 - A replacement that dies before it is ready is retried; only
   MAX_START_FAILURES in a row break the pool, after which every prefetch and
   backup raises BrokenPool, and in-flight pages still end (never hang).
+
+Reaches inside: the engine's `_control` (a worker's READY_PID word and the
+evictor's EVICTOR_PID word: whether a replacement has said it is ready yet,
+which is the point of the test and no public call reports per process) and
+`_evictor` (the evictor's child process, to kill it and see its replacement
+alive: the public `worker_pids()` names the I/O workers only).
 """
 import os
 import signal
@@ -40,19 +46,19 @@ def test_respawn_returns_before_the_new_worker_is_ready(store):
     keys = [f"k{i}" for i in range(N)]
     with make(store, pages=2 * N, workers=2) as e:
         assert backup(e, keys, range(N)).status == "ok"
-        victim = e._pool.workers[1].pid
+        victim = e.worker_pids()[1]
         os.kill(victim, signal.SIGKILL)
         _poll_until(e, lambda: e.metrics()["respawns"] == 1)
-        new = e._pool.workers[1]
+        new = e.worker_pids()[1]
         # The poll() that launched it has returned; a fresh interpreter cannot have
         # mapped the pool and said ready yet.
-        assert new.pid != victim and int(e._control.workers[1][READY_PID]) != new.pid
+        assert new != victim and int(e._control.workers[1][READY_PID]) != new
         assert e.metrics()["workers_starting"] == 1
         op = e.prefetch(keys, range(N, 2 * N))
         assert (op.worker_of == 0).all()  # only the ready worker takes work meanwhile
         assert e.wait(op, 20) and op.status == "ok" and not wrong_pages(e, op, _allowed(e))
         _poll_until(e, lambda: e.metrics()["workers_starting"] == 0)
-        assert int(e._control.workers[1][READY_PID]) == new.pid
+        assert int(e._control.workers[1][READY_PID]) == new
         again = prefetch(e, keys, range(N, 2 * N))
         assert set(again.worker_of.tolist()) == {0, 1}
         assert again.status == "ok" and not wrong_pages(e, again, _allowed(e))
@@ -62,11 +68,11 @@ def test_failed_replacements_break_the_pool_once_and_for_good(store):
     keys = [f"b{i}" for i in range(N)]
     with make(store, pages=2 * N, workers=2) as e:
         assert backup(e, keys, range(N)).status == "ok"
-        os.kill(e._pool.workers[1].pid, signal.SIGKILL)
+        os.kill(e.worker_pids()[1], signal.SIGKILL)
         # Kill each replacement before it can say ready.
         for attempt in range(MAX_START_FAILURES):
             _poll_until(e, lambda: e.metrics()["respawns"] == attempt + 1)
-            os.kill(e._pool.workers[1].pid, signal.SIGKILL)
+            os.kill(e.worker_pids()[1], signal.SIGKILL)
             assert e.metrics()["broken"] is None
             # Failed starts short of the limit are not broken: the engine takes work.
             assert prefetch(e, keys, range(N, 2 * N)).status == "ok"

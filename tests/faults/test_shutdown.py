@@ -38,7 +38,7 @@ def test_flush_is_bounded_and_flush_false_cancels(store):
     keys = [f"t{i}" for i in range(N)]
     e = make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1)
     _fill(e, keys, range(N))
-    os.kill(e._pool.workers[1].pid, signal.SIGSTOP)  # its half of the backup cannot finish
+    os.kill(e.worker_pids()[1], signal.SIGSTOP)  # its half of the backup cannot finish
     op = e.backup(keys, range(N))
     t0 = time.monotonic()
     e.close(timeout_s=1.0)
@@ -53,8 +53,8 @@ def test_flush_false_does_not_wait(store):
     keys = [f"n{i}" for i in range(N)]
     e = make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1)
     _fill(e, keys, range(N))
-    os.kill(e._pool.workers[1].pid, signal.SIGSTOP)
-    resume_when_told_to_stop(e, e._pool.workers[1])  # the bound is the test above's
+    os.kill(e.worker_pids()[1], signal.SIGSTOP)
+    resume_when_told_to_stop(e, 1)  # the bound is the test above's
     op = e.backup(keys, range(N))
     t0 = time.monotonic()
     e.close(flush=False)
@@ -68,8 +68,8 @@ def test_a_bounded_flush_says_what_it_left(store, caplog):
     keys = [f"w{i}" for i in range(N)]
     e = make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1)
     _fill(e, keys, range(N))
-    os.kill(e._pool.workers[1].pid, signal.SIGSTOP)
-    resume_when_told_to_stop(e, e._pool.workers[1])
+    os.kill(e.worker_pids()[1], signal.SIGSTOP)
+    resume_when_told_to_stop(e, 1)
     op = e.backup(keys, range(N))
     with caplog.at_level("WARNING", logger="hicache_mp"):
         e.close(timeout_s=0.5)
@@ -101,7 +101,7 @@ def test_a_close_that_a_signal_handler_interrupts_with_another_close(store):
     keys = [f"r{i}" for i in range(N)]
     e = make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1)
     _fill(e, keys, range(N))
-    stopped = e._pool.workers[1].pid
+    stopped = e.worker_pids()[1]
     os.kill(stopped, signal.SIGSTOP)
     op = e.backup(keys, range(N))
     nested = []

@@ -24,12 +24,12 @@ from faultkit import BIG, backup, content, fingerprint, get, make, poison, prefe
 N = 16
 
 
-def _catch_in_read(e, victim, keys, slots):
-    """Prefetch `keys` with `victim` frozen inside one of its reads; returns the op."""
+def _catch_in_read(e, index, keys, slots):
+    """Prefetch `keys` with worker `index` frozen inside one of its reads; returns the op."""
     def submit():
         poison(e, slots)
         return e.prefetch(keys, slots)
-    op = catch_in_read(e, victim, submit, steps=(0.0, 0.0001, 0.0002, 0.0005))
+    op = catch_in_read(e, index, submit, steps=(0.0, 0.0001, 0.0002, 0.0005))
     if op is None:
         pytest.fail("never caught the worker inside a read")
     return op
@@ -40,8 +40,8 @@ def test_stuck_worker_is_failed_fenced_and_replaced(store):
     slots = list(range(N, 2 * N))
     with make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1) as e:
         assert backup(e, keys, range(N)).status == "ok"
-        victim = e._pool.workers[1]
-        op = _catch_in_read(e, victim, keys, slots)
+        victim = e.worker_pids()[1]
+        op = _catch_in_read(e, 1, keys, slots)
         # Stepping the worker through reads (above) makes a healthy read last
         # seconds of wall time: the stall limit is lowered once it is caught.
         e.config.stall_timeout_s = 1.0
@@ -54,14 +54,14 @@ def test_stuck_worker_is_failed_fenced_and_replaced(store):
         # Killed in this health check, reaped in a later one at the earliest: its
         # pages' status is final now, but their slots are fenced and the op is
         # not done (op.done is when its slots may be reused).
-        assert os.path.exists(f"/proc/{victim.pid}")
+        assert os.path.exists(f"/proc/{victim}")
         failed = [int(op.host_pages[p]) for p in np.flatnonzero(op.page_status == st.WORKER_DIED)]
         frozen = {s: get(e, s) for s in failed}
         assert not op.done and e.metrics()["fenced_pages"] == len(failed)
         with pytest.raises(ValueError, match="in flight"):
             e.prefetch([keys[0]], [failed[0]])
         assert e.wait(op, 20), f"op not done once the stuck worker was gone: {op}"
-        assert not os.path.exists(f"/proc/{victim.pid}"), "op done before the worker was reaped"
+        assert not os.path.exists(f"/proc/{victim}"), "op done before the worker was reaped"
         counts = op.status_counts()
         assert counts.get("worker_died", 0) == len(failed) and op.status in ("partial", "failed")
         assert not wrong_pages(e, op, lambda k: {fingerprint(content(k, e.geometry.page_bytes))})
@@ -73,7 +73,7 @@ def test_stuck_worker_is_failed_fenced_and_replaced(store):
         reuse = e.prefetch([keys[0]], [failed[0]])
         assert e.wait(reuse, 10) and reuse.status == "ok"
         # Replaced, and the next op works on every page.
-        assert e._pool.workers[1].pid != victim.pid
+        assert e.worker_pids()[1] != victim
         again = prefetch(e, keys, slots)
         assert again.status == "ok" and not wrong_pages(
             e, again, lambda k: {fingerprint(content(k, e.geometry.page_bytes))})
@@ -86,8 +86,8 @@ def test_a_stuck_read_does_not_hold_back_other_workers_backups(store):
     keys = [f"r{i}" for i in range(N)]
     with make(store, geo=BIG, pages=4 * N + 48, workers=2, worker_batch=1) as e:
         assert backup(e, keys, range(N)).status == "ok"
-        victim = e._pool.workers[1]
-        read = _catch_in_read(e, victim, keys, list(range(N, 2 * N)))
+        victim = e.worker_pids()[1]
+        read = _catch_in_read(e, 1, keys, list(range(N, 2 * N)))
         pb = e.geometry.page_bytes
         wkeys = [f"w{i}" for i in range(48)]
         wslots = list(range(2 * N, 2 * N + 48))
@@ -103,7 +103,7 @@ def test_a_stuck_read_does_not_hold_back_other_workers_backups(store):
             e.poll()
             time.sleep(0.005)
         assert (op.page_status[mine] == st.OK).all()
-        os.kill(victim.pid, signal.SIGKILL)
+        os.kill(victim, signal.SIGKILL)
         assert e.wait(read, 10) and e.wait(op, 10)
 
 
@@ -113,13 +113,13 @@ def test_worker_stuck_outside_a_page_io_is_caught_by_its_queue(store):
     keys = [f"q{i}" for i in range(N)]
     with make(store, pages=2 * N, workers=2, stall_timeout_s=1.0) as e:
         assert backup(e, keys, range(N)).status == "ok"
-        victim = e._pool.workers[1]
-        os.kill(victim.pid, signal.SIGSTOP)
+        victim = e.worker_pids()[1]
+        os.kill(victim, signal.SIGSTOP)
         op = e.prefetch(keys, range(N, 2 * N))
         assert e.wait(op, 20), f"op hung behind a stopped worker: {op}"
         assert op.status == "partial" and op.status_counts()["worker_died"] == N // 2
         assert e.metrics()["stuck_workers"] == 1
-        assert e._pool.workers[1].pid != victim.pid
+        assert e.worker_pids()[1] != victim
         deadline = time.monotonic() + 10
         while e.metrics()["workers_starting"] or e.metrics()["fenced_pages"]:
             assert time.monotonic() < deadline

@@ -34,14 +34,14 @@ def test_worker_killed_with_pages_queued(store):
     keys = [f"q{i}" for i in range(N)]
     with make(store, pages=2 * N, workers=2, worker_batch=1) as e:
         assert backup(e, keys, range(N)).status == "ok"
-        victim = e._pool.workers[1]  # page 0 goes to worker 0, so some pages lead
-        os.kill(victim.pid, signal.SIGSTOP)  # freeze it with its share still queued
+        victim = e.worker_pids()[1]  # page 0 goes to worker 0, so some pages lead
+        os.kill(victim, signal.SIGSTOP)  # freeze it with its share still queued
         op = e.prefetch(keys, range(N, 2 * N))
-        os.kill(victim.pid, signal.SIGKILL)
+        os.kill(victim, signal.SIGKILL)
         _wait_bounded(e, op)
         assert op.status == "partial" and op.status_counts().get("worker_died", 0) > 0
         assert not wrong_pages(e, op, _allowed(e))
-        assert e.metrics()["respawns"] == 1 and e._pool.workers[1].pid != victim.pid
+        assert e.metrics()["respawns"] == 1 and e.worker_pids()[1] != victim
         again = prefetch(e, keys, range(N, 2 * N))
         assert again.status == "ok" and not wrong_pages(e, again, _allowed(e))
 
@@ -59,13 +59,13 @@ def test_worker_killed_mid_read(store, depth):
     keys = [f"r{i}" for i in range(N)]
     with make(store, geo=BIG, pages=2 * N, workers=2, worker_batch=1, io_depth=depth) as e:
         assert backup(e, keys, range(N)).status == "ok"
-        victim = e._pool.workers[1]
+        victim = e.worker_pids()[1]
         # Reads are quick (2 MiB from the page cache): a try that misses them is
         # let finish and made again (faultkit.catch_in_read; reads can be
         # repeated; writes, below, are slow enough to be caught in one pass).
-        op = catch_in_read(e, victim, lambda: e.prefetch(keys, range(N, 2 * N)),
+        op = catch_in_read(e, 1, lambda: e.prefetch(keys, range(N, 2 * N)),
                            steps=tuple(_step_s(depth) * k for k in (0.5, 1, 2, 4)))
-        os.kill(victim.pid, signal.SIGKILL)
+        os.kill(victim, signal.SIGKILL)
         assert op is not None, "never caught the worker inside a read"
         _wait_bounded(e, op)
         assert op.status in ("partial", "failed")
@@ -82,11 +82,11 @@ def _kill_inside_a_write(e, keys, depth):
     pb = e.geometry.page_bytes
     for i, k in enumerate(keys):
         put(e, i, content(k, pb))
-    victim = e._pool.workers[1]
-    os.kill(victim.pid, signal.SIGSTOP)
+    victim = e.worker_pids()[1]
+    os.kill(victim, signal.SIGSTOP)
     op = e.backup(keys, range(len(keys)))
-    tmp = stop_during_io(victim.pid, lambda p: naming.TMP_MARK in p, run_s=_step_s(depth))
-    os.kill(victim.pid, signal.SIGKILL)
+    tmp = stop_during_io(victim, lambda p: naming.TMP_MARK in p, run_s=_step_s(depth))
+    os.kill(victim, signal.SIGKILL)
     assert tmp, "never caught the worker inside a write"
     _wait_bounded(e, op)
     return op, tmp

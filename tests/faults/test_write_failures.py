@@ -132,8 +132,8 @@ def test_file_size_limit_fails_with_nospace(store, caplog):
     """
     keys = [f"big-{i}" for i in range(10)]
     with make(store, geo=MID, pages=16, workers=2) as e:
-        for w in e._pool.workers:
-            resource.prlimit(w.pid, resource.RLIMIT_FSIZE, (32 * 1024, 32 * 1024))
+        for pid in e.worker_pids():
+            resource.prlimit(pid, resource.RLIMIT_FSIZE, (32 * 1024, 32 * 1024))
         op = backup(e, keys, range(10))
         assert op.status_counts() == {"nospace": 10}
         assert store_files(store) == ([], [])  # no page, no temp file

@@ -12,7 +12,8 @@ import threading
 import time
 
 from hicache_mp.bench import jfs
-from faultkit import MID, a_pass_begun_now_ended, content, evictor_passes, make, put, settle
+from faultkit import MID, a_pass_begun_now_ended, content, evictor_passes, make, put, settle, \
+    wake_evictor
 from workers import evictlease
 from workers.evictlease import LEASE_NAME
 from workers.evictor import headroom_bytes
@@ -138,7 +139,7 @@ def test_an_evictor_waits_while_another_node_holds_the_lease(nodes):
         assert held is not None and evictlease.take(nodes.a) is None  # one holder at a time
         _fill(nodes.a, [f"old{i}" for i in range(112)])
         passes = evictor_passes(a)
-        a._evictor.wake.post()
+        wake_evictor(a)
         # five of A's passes (a second of them here), each one past the limit with the
         # lease held elsewhere
         assert settle(lambda: evictor_passes(a) >= passes + 5, 10, 0.01)

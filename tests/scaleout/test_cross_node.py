@@ -186,7 +186,7 @@ def test_node_killed_mid_write_leaves_no_page_and_spares_a_live_writer(nodes):
     # Node B: a writer held inside its own page write (live, holding a temp file).
     with make(nodes.b, geo=BIG, pages=16, workers=1, worker_batch=1) as writer:
         pb = writer.geometry.page_bytes
-        victim = writer._pool.workers[0].pid
+        victim = writer.worker_pids()[0]
         # On a loaded box one step can let a whole write through (its lane runs
         # it while the worker is let go): a missed write is let finish, and
         # another page tried with another step length.

@@ -87,7 +87,7 @@ def drop_cache(path: str) -> None:
 
 
 def stop_workers(eng) -> list[int]:
-    pids = [h.pid for h in eng._pool.workers]
+    pids = eng.worker_pids()
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     return pids

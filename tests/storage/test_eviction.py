@@ -2,6 +2,10 @@
 `storage_min_free_bytes`) while reads go on, by last access, never removing a
 page that an op in flight names; writes that would cross a limit are dropped
 with a status at once; the index forgets what was evicted.
+
+Reaches inside: the engine's `_evictor` (the evictor's process, to SIGSTOP it
+while it lists the store under its lease: the public `worker_pids()` names
+the I/O workers only).
 """
 import os
 import signal
@@ -10,7 +14,7 @@ import time
 import pytest
 
 from faultkit import BIG, a_pass_begun_now_ended, backup, content, fingerprint, make, \
-    page_file, prefetch, put, settle, stop_during_io, store_files, wrong_pages
+    page_file, prefetch, put, settle, stop_during_io, store_files, wake_evictor, wrong_pages
 from shm import PageGeometry
 from workers.evictlease import LEASE_NAME
 from workers.evictor import headroom_bytes
@@ -235,7 +239,7 @@ def test_a_pass_counts_a_write_in_flight_once(tmp_path, ndirs, met):
                         batch.append(k)
                 backup(other, batch, range(len(batch)))
         assert _pages_per_part(dirs) == [trigger] * ndirs
-        worker = e._pool.workers[0].pid
+        worker = e.worker_pids()[0]
         os.kill(worker, signal.SIGSTOP)
         tmp = None
         for attempt in range(5):  # a write that ran past the window is one more page
@@ -256,12 +260,12 @@ def test_a_pass_counts_a_write_in_flight_once(tmp_path, ndirs, met):
         evictor = e._evictor.proc.pid
         try:
             if met == "temp file":
-                e._evictor.wake.post()
+                wake_evictor(e)
                 assert _evicted(e, sum(before) - sum(expect))
                 a_pass_begun_now_ended(e)
             else:
                 os.kill(evictor, signal.SIGSTOP)
-                e._evictor.wake.post()
+                wake_evictor(e)
                 assert stop_during_io(evictor, _listing_first_part_under_lease(dirs, dirs[held])), \
                     "never held the evictor listing the store under its lease"
                 os.kill(worker, signal.SIGCONT)

@@ -1,6 +1,11 @@
 """Key digests are remembered per process, and that changes nothing a user sees:
 the same digest (hence the same page file) as the formula, bad keys refused every
-time, and the memory bounded."""
+time, and the memory bounded.
+
+Reaches inside: workers.naming's `_DIGESTS` (the per-process cache of
+digests) and `_DIGESTS_MAX` (its bound): the memory bound is the cache's own
+size, which no public call reports.
+"""
 import hashlib
 
 import pytest

@@ -36,7 +36,7 @@ def test_backups_keep_working_after_the_store_is_wiped(store, wipe, io_depth):
     keys = [f"w{i}" for i in range(16)]
     with make(store, pages=32, workers=2, io_depth=io_depth) as e:
         assert backup(e, keys, range(16)).status == "ok"
-        pids = [h.pid for h in e._pool.workers]
+        pids = e.worker_pids()
         wipe(store)
         op = backup(e, keys, range(16), version=1)
         assert op.status == "ok", op.status_counts()
@@ -45,7 +45,7 @@ def test_backups_keep_working_after_the_store_is_wiped(store, wipe, io_depth):
         pb = e.geometry.page_bytes
         assert [fingerprint(get(e, 16 + i)) for i in range(16)] == \
             [fingerprint(content(k, pb, version=1)) for k in keys]
-        assert [h.pid for h in e._pool.workers] == pids  # the same workers did it
+        assert e.worker_pids() == pids  # the same workers did it
 
 
 def test_a_page_file_that_is_a_symlink_reads_as_a_miss_with_no_byte_copied(store, tmp_path):

@@ -5,6 +5,10 @@ starved, and a backup over its budget is dropped at once with a status.
 Ordering is observed, not timed: a worker is stopped (SIGSTOP) while both its
 rings fill, then let go; `Op.landed_seq` gives the order in which it finished
 pages (one worker's completions arrive in the order it did them).
+
+Reaches inside: the engine's `_control` (worker 0's heartbeat: the read is
+queued only once the worker is inside its write, which no public call
+reports).
 """
 import os
 import time
