@@ -254,6 +254,78 @@ def _fill_leaving(nbytes: int) -> None:
         os.close(fd)
 
 
+GROUP = 2000  # a group two engine uids share (no name needed: setpriv takes numbers)
+
+
+def _as_uid(python: str, uid: int, groups=()) -> list:
+    ids = ["--groups", ",".join(map(str, groups))] if groups else ["--clear-groups"]
+    return ["setpriv", "--reuid", str(uid), "--regid", str(uid), *ids, python]
+
+
+def shared_store(args: dict) -> dict:
+    """Engines of uids USER and USER + 1, both in GROUP, over one store whose
+    root is root:GROUP 2770 (as Kubernetes' fsGroup or an operator makes a
+    shared directory), one after the other: each reads what the other wrote,
+    and the second overwrites a page of the first; a uid outside the group
+    (USER + 2) reads and writes nothing. Returns each run and the mode and
+    group of every directory and file in the store."""
+    python = _user_python()
+    store = args["store"]
+    a, b = _as_uid(python, USER, [GROUP]), _as_uid(python, USER + 1, [GROUP])
+    out = {"a": _run(a, "store_user", {"store": store, "write": ["a0", "a1", "a2"]})}
+    out["b"] = _run(b, "store_user", {"store": store, "read": [["a0", 0], ["a1", 0], ["a2", 0]],
+                                      "write": ["b0", "a1"], "version": 1})
+    out["a_again"] = _run(a, "store_user", {"store": store, "read": [["b0", 1], ["a1", 1]]})
+    out["stranger"] = _run(_as_uid(python, USER + 2), "store_user",
+                           {"store": store, "read": [["a0", 0]], "write": ["c0"]})
+    out["modes"] = []
+    for d, _, files in os.walk(store):
+        for path, kind in [(d, "dir")] + [(os.path.join(d, f), "file") for f in files]:
+            st = os.stat(path)
+            out["modes"].append([kind, os.path.relpath(path, store), st.st_mode & 0o7777,
+                                 st.st_gid])
+    out["left"] = left_in_shm()
+    return out
+
+
+def root_owned_store(args: dict) -> dict:
+    """uid USER over a store directory root owns (0755): two backups."""
+    out = _run(_as_uid(_user_python(), USER), "store_user",
+               {"store": args["store"], "write": ["r0"], "twice": True})
+    out["left"] = left_in_shm()
+    return out
+
+
+def store_user(args: dict) -> dict:
+    """One engine over `store`: prefetches `read` ([key, version] pairs) and
+    checks the bytes, then backs up `write` (version `version`; twice with
+    `twice`); returns the statuses and every warning it logged."""
+    import logging
+    from faultkit import backup, content, get, make, prefetch
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+    logging.getLogger("hicache_mp").addHandler(Keep(logging.WARNING))
+    out = {"uid": os.getuid(), "groups": sorted(os.getgroups())}
+    with make(args["store"], geo=MID, pages=8, workers=1) as e:
+        pb = e.geometry.page_bytes
+        read = args.get("read", [])
+        if read:
+            op = prefetch(e, [k for k, _ in read], range(4, 4 + len(read)))
+            out["read"] = [int(s) for s in op.page_status]
+            out["bytes"] = [get(e, 4 + i) == content(k, pb, version=v)
+                            for i, (k, v) in enumerate(read)]
+        for _ in range(2 if args.get("twice") else 1):
+            keys = args.get("write", [])
+            if keys:
+                op = backup(e, keys, range(len(keys)), version=args.get("version", 0))
+                out.setdefault("wrote", []).append([int(s) for s in op.page_status])
+    out["warnings"] = seen
+    return out
+
+
 def engine(args: dict) -> None:
     """One engine: checks the page the previous run wrote (bytes), backs up its
     own; READY; then waits to be killed (`stay`) or closes."""

@@ -29,6 +29,18 @@ at a page's path would otherwise hold the open until the stall watchdog kills
 the worker, and a device node would be read as a page. Anything else reads
 as UNREADABLE, left in place, and the next write renames a page over it.
 
+Who may read what a store holds (decision 100): in a setgid directory, a
+directory or page file made here copies the directory's group permission
+bits (a page file the read and write bits, not execute); anywhere else it is
+owner-only, and others never get a bit. A setgid directory is how an
+operator says "files here belong to this group" (`chgrp kv store; chmod 2770
+store`, or Kubernetes' fsGroup); the kernel gives new entries its group, and
+new directories its setgid bit, so the whole tree follows. Every engine whose
+uid is in that group then reads, writes and evicts the others' pages. A root
+the engine made (0700), or made by a plain mkdir (0755), stays owner-only
+below, as before. The modes are set whatever the umask (fchmod where it took
+bits away).
+
 Fan-out directories are opened (and made, for a write) on every I/O, never
 remembered: after `rm -rf store/*`, or the store directory removed and made
 again, the next write makes its directories anew.
@@ -227,10 +239,13 @@ class FileStore(PageStore):
         leaf = self._leaf(h, create=True)
         fd = -1
         try:
+            mode = file_mode(os.fstat(leaf).st_mode)
             # With O_DIRECT every run is a whole number of 4096-byte blocks
             # (directio.geometry_aligned), so the file length is too.
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
-                         | self.open_flags, 0o600, dir_fd=leaf)
+                         | self.open_flags, mode, dir_fd=leaf)
+            if mode != OWNER_FILE_MODE:
+                os.fchmod(fd, mode)  # open applied the umask (022 takes the group's write)
             vecs = [bufs.write_header, *iovecs]
             gate = None if self.io.direct else getattr(bufs, "gate", None)
             if gate is None:
@@ -338,11 +353,39 @@ def _subdir(parent: int, name: str, create: bool) -> int:
     except FileNotFoundError:
         if not create:
             raise
+    want = dir_mode(os.fstat(parent).st_mode)
     try:
-        os.mkdir(name, DIR_MODE, dir_fd=parent)
+        os.mkdir(name, want, dir_fd=parent)
     except FileExistsError:
-        pass
-    return os.open(name, _SUB_FLAGS, dir_fd=parent)
+        want = None  # another writer made it: its modes stand
+    fd = os.open(name, _SUB_FLAGS, dir_fd=parent)
+    if want is not None and want != DIR_MODE:
+        try:
+            have = os.fstat(fd).st_mode
+            # mkdir applied the umask; the setgid bit (inherited from a setgid
+            # parent) is kept, as the kernel gave it.
+            if stat.S_IMODE(have) & 0o777 != want:
+                os.fchmod(fd, want | (have & stat.S_ISGID))
+        except OSError:
+            pass  # the directory works; only another uid's access is narrower
+    return fd
+
+
+def dir_mode(parent_mode: int) -> int:
+    """The mode of a directory made in a directory of `parent_mode`: the
+    owner's rwx, and the parent's group bits where the parent is setgid;
+    nothing for others (decision 100)."""
+    return DIR_MODE | (parent_mode & 0o070 if parent_mode & stat.S_ISGID else 0)
+
+
+OWNER_FILE_MODE = 0o600
+
+
+def file_mode(dir_mode_: int) -> int:
+    """The mode of a page file made in a directory of `dir_mode_`: the owner's
+    rw, and the group's read and write where the directory is setgid and gives
+    them; nothing for others (decision 100)."""
+    return OWNER_FILE_MODE | (dir_mode_ & 0o060 if dir_mode_ & stat.S_ISGID else 0)
 
 
 def _not_a_file_errno(mode: int) -> int:

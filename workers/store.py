@@ -2,8 +2,9 @@
 
 Owns the interface (`PageStore`), the settings a store's I/O follows
 (`StoreIO`), the free-space helper, the `storage_dir` syntax, the
-mode of a store's directories and the error for one that cannot be made
-(`StoreDirError`). Must not know about rings, ops, the pool
+mode of a store's directories, the error for one that cannot be made
+(`StoreDirError`) and the words for one this user cannot write
+(`write_problem`). Must not know about rings, ops, the pool
 layout or torch, nor which stores exist (workers.stores, the factory, names
 them and imports this module): a store moves one page between iovecs and its
 medium and says how that went, as a status code (workers.status).
@@ -31,11 +32,16 @@ A store is opened by `workers.stores.open_store(storage_dir, io)`.
 """
 import errno
 import os
+import shlex
+import stat
 from dataclasses import dataclass
 from typing import NamedTuple
 
-# Every directory a store makes (its roots, fan-out levels, quarantine):
-# owner-only, as the page files in them are.
+# The owner's bits of every directory a store makes (its roots, fan-out
+# levels, quarantine). A root it makes is owner-only; a directory below copies
+# its parent's group bits as well where the parent is setgid, never others'
+# (workers.filestore, decision 100): a store stays private unless its root was
+# made group-shared.
 DIR_MODE = 0o700
 
 
@@ -125,6 +131,43 @@ class PageStore:
             except OSError as exc:
                 raise StoreDirError(root, exc) from None
 
+
+
+def write_problem(root: str) -> str | None:
+    """Why this process cannot make pages in the existing store directory
+    `root`, in words that name the directory and the fix; None where it can,
+    or where `root` is missing (create() makes it then). The engine says it
+    once at start: every write that fails still ends `denied`, page by page,
+    counted in metrics(), and logged once per cause without a path."""
+    try:
+        st = os.stat(root)
+    except OSError:
+        return None
+    try:
+        if os.statvfs(root).f_flag & os.ST_RDONLY:
+            return (f"storage_dir {root!r} is on a read-only filesystem: pages there are read, "
+                    f"and every backup ends `denied`. Fix: mount it read-write (or nothing, "
+                    f"for a store this server only reads)")
+    except OSError:
+        pass
+    if os.access(root, os.W_OK | os.X_OK, effective_ids=True):
+        return None
+    uid, gid, q = os.geteuid(), os.getegid(), shlex.quote(root)
+    reads = os.access(root, os.R_OK | os.X_OK, effective_ids=True)
+    what = (f"storage_dir {root!r} is not writable by this engine (uid {uid}, gid {gid}; the "
+            f"directory is owned by uid {st.st_uid}, gid {st.st_gid}, mode "
+            f"{stat.S_IMODE(st.st_mode):04o}): "
+            f"{'pages already there are read, but' if reads else 'no page there is read, and'} "
+            f"every backup ends `denied`. Fix: ")
+    if st.st_mode & stat.S_ISGID and st.st_mode & stat.S_IWGRP:
+        # A store shared by group (decision 100) that this uid is not a member of.
+        return what + (f"run the engine with group {st.st_gid} among its groups (Kubernetes "
+                       f"securityContext.supplementalGroups or fsGroup, docker run --group-add "
+                       f"{st.st_gid}), or as the directory's owner (uid {st.st_uid})")
+    return what + (f"give this uid the directory (`chown -R {uid} {q}`), or share it by group "
+                   f"with a group this uid is in (`chgrp -R <group> {q} && chmod -R g+rwX {q} "
+                   f"&& find {q} -type d -exec chmod g+s {{}} +`; decision 100), or run the "
+                   f"engine as the directory's owner (uid {st.st_uid})")
 
 
 def free_bytes(path: str) -> int | None:

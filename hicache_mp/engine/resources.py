@@ -1,7 +1,8 @@
 """Building an `mp` engine's resources: segments, host pool, evictor, worker pool.
 
 Owns what PrefetchEngine's constructor makes before it takes any work: the
-decision on direct I/O, this engine's share of the node's cores, the room
+decision on direct I/O (and the one warning for a store this uid cannot
+write), this engine's share of the node's cores, the room
 check for everything it will put in /dev/shm, the host pool (its own, a
 caller's descriptor, or a caller's parts), the control block, the completion
 semaphore, the evictor (with storage limits), the typed `WorkerSpec` and the
@@ -29,6 +30,7 @@ from workers.control import CONTROL_BYTES, MAX_BYTES, MIN_FREE, Control
 from workers.evictor import EVICT_RING_CAPACITY, EvictorProcess, headroom_bytes
 from workers.pool import WorkerPool, worker_cpus
 from workers.spec import WorkerSpec
+from workers.store import write_problem
 
 from .closing import EngineClosed
 from .config import EngineConfig
@@ -160,6 +162,12 @@ def build(config: EngineConfig, geometry: PageGeometry, roots, *, pool_fd: int |
         # unaligned geometry (small test pages) is expected, so only info.
         fs_refused = reason.startswith("buffered I/O: O_DIRECT on")
         (log.warning if fs_refused else log.info)("hicache_mp: %s", reason)
+    # A store this uid cannot write: said once here, with the directory and the
+    # fix, where each denied page only counts (and logs its cause once, no path).
+    for root in roots:
+        problem = write_problem(root)
+        if problem:
+            log.warning("hicache_mp: %s", problem)
     res = Resources(tag=new_owner_tag(), stale_removed=stale_removed, shared_pool=shared_pool,
                     direct_io=direct_io, direct_io_reason=reason)
     budget = res.cpu_budget = read_budget()
