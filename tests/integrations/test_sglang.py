@@ -429,7 +429,8 @@ def test_storage_keys_in_the_extra_config_reach_the_engine(attach):
         (2, 4, "off", 0.25)
     m = backend.engine.metrics()
     assert m["io_depth"] == 2 and m["backup_budget_pages"] == 4 and not m["direct_io"]
-    assert backend.engine._evictor is not None  # the capacity limit is enforced, not just stored
+    # the capacity limit is enforced, not just stored: an evictor keeps the estimate
+    assert m["store_bytes_estimate"] is not None
     want = fill_random(pool, [1, 2], seed=3)
     assert backend.batch_set_v1(["k1", "k2"], pool.token_indices([1, 2])) == [True, True]
     assert backend.batch_get_v1(["k1", "k2"], pool.token_indices([5, 6])) == [True, True]

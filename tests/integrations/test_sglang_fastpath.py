@@ -15,6 +15,12 @@ SGLang 0.5.23's stock controller, through SGLang's real classes on CPU.
 - install() applied, idempotent, undone, and refused (another version, or an
   0.5.23 whose methods differ); the upstream patch is what install() does and
   applies to a copy of SGLang's installed sources; the `sglang-serve` launcher.
+
+Reaches inside: SGLang's `HiCacheController._reduce_prefetch_ack` and
+`HybridCacheController._page_transfer_sidecar`, private methods of SGLang's
+controllers that install() replaces: the test reads them to see them replaced
+and restored, and swaps one for a stand-in to show install() refuses an
+0.5.23 whose methods are not the ones the fast path was built from.
 """
 import hashlib
 import os

@@ -1,7 +1,13 @@
 """scripts/sglang_hybrid_check.py on tiny geometries: SGLang's real
 HybridCacheController over its real Mamba, SWA and DSA host pool groups, mp
 with the no-bytes and sleeping floors interleaved, idle and busy, the GIL tracer's
-per-call table; every KV and sidecar page read is exact."""
+per-call table; every KV and sidecar page read is exact.
+
+Reaches inside: the bench rank's `_pages` and `_buffers` (where a label's
+pages lie in SGLang's host pool buffers: the test flips one byte of a
+sidecar page read there, a fault the rank's byte check must count; the rank
+has no public call to damage its own pool).
+"""
 import os
 
 import pytest

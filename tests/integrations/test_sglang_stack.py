@@ -2,7 +2,13 @@
 `MHATokenToKVPoolHost` on the "shm" allocator, the real `HiCacheController`
 with its own prefetch/backup threads, the backend made by SGLang's
 `StorageBackendFactory` (and wrapped by its `HiCacheStorageFailureInjector`),
-driven by scripts/sglang_stack.py as SGLang's scheduler drives it."""
+driven by scripts/sglang_stack.py as SGLang's scheduler drives it.
+
+Reaches inside: SGLang's `HiCacheController._stop_storage_threads` (its only
+call that stops the storage threads and leaves the backend for the test to
+close: the public detach_storage_backend() would close it too but swallow
+close()'s errors, which the node-budget test must see).
+"""
 import os
 
 import pytest

@@ -449,7 +449,7 @@ def test_reattach_registers_again_and_close_leaves_nothing(make, stacks, store):
     old = b.hybrid.pools["swa"].engine
     b.register_mem_host_pool_v2(s.swa, PoolName.SWA)
     assert old.closed and not b.hybrid.pools["swa"].engine.closed
-    engines = b._engines()
+    engines = [b.engine] + b.hybrid.engines()
     assert len(engines) == 5          # KV + four sidecar pools (old ones already closed)
     b.close()
     assert all(e.closed for e in engines)   # the autouse fixture checks /dev/shm and processes

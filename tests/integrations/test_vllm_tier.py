@@ -5,6 +5,12 @@ SecondaryTierFactory; its SharedOffloadRegion is the CPU tier (a real mmap
 file in /dev/shm) and primary_kv_view is its memoryview; jobs are vLLM's
 TransferJob and answers its JobResult. The engine's workers are real
 processes reading and writing real page files straight into that mmap.
+
+Reaches inside: vLLM's `TieringOffloadingSpec._get_secondary_tiers` (the
+parser vLLM's spec uses to resolve a tier's out-of-tree class, checked to
+resolve ours) and its fs tier's `_HAS_FSIO_C` / `_HAS_BATCH_LOOKUP_C` flags
+(the bench switches vLLM's C helpers through them; the smoke test saves and
+restores them around it). No public vLLM call offers either.
 """
 import contextlib
 import dataclasses
@@ -57,11 +63,12 @@ def test_vllms_factory_and_spec_build_the_tier(store):
     extra = {"cpu_bytes_to_use": ROW * 8, "secondary_tiers": [cfg]}
     assert TieringOffloadingSpec._get_secondary_tiers(extra) == [(cfg, HiCacheMPTier)]
     assert "tier" in TieringOffloadingSpec.config_info_keys(extra)
-    with tiering([cfg], rows=8) as (spec, manager):
+    engine_id = f"hicache-test-{uuid.uuid4().hex[:8]}"
+    with tiering([cfg], rows=8, engine_id=engine_id) as (spec, manager):
         tier = manager.secondary_tiers[0]
         assert isinstance(tier, HiCacheMPTier) and tier.tier_type == "HiCacheMPTier"
         assert isinstance(tier.bp_detector, EMABackpressureDetector)
-        assert tier.region.path == region_path(spec._engine_id)
+        assert tier.region.path == region_path(engine_id)
         assert (tier.num_chunks, tier.row_bytes) == (8, ROW)
         cfg_e = tier.engine.config
         assert (cfg_e.storage_max_bytes, cfg_e.write_checksum, cfg_e.host_pool_pages) == \
@@ -69,7 +76,7 @@ def test_vllms_factory_and_spec_build_the_tier(store):
         assert tier.engine.worker_count() == 2 and tier.engine.shared_pool
         assert "test/model" in tier.engine.namespace
         engine = tier.engine
-    assert engine.closed and not os.path.exists(region_path(spec._engine_id))
+    assert engine.closed and not os.path.exists(region_path(engine_id))
 
 
 @pytest.mark.parametrize("bad, why", [

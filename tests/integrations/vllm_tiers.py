@@ -6,6 +6,10 @@ SharedOffloadRegion: the mmap of /dev/shm/vllm_offload_<engine_id>.mmap), the
 primary tier manager, and every secondary tier through SecondaryTierFactory,
 exactly as in a server. Nothing here is a stand-in for a vLLM class. On exit
 the manager is shut down (tiers, then the CPU tier, which unlinks its file).
+
+Reaches inside: vLLM's secondary tier's `_primary_kv_view` (the memoryview of
+the CPU tier's rows that vLLM hands every tier, set by its SecondaryTier base
+class with no public getter): the tests fill and check rows through it.
 """
 import contextlib
 import os
