@@ -3,6 +3,11 @@
 Every check compares every element of the device KV cache: loaded pages must
 hold exactly the stored bytes, every other element must still hold the poison.
 The CUDA path runs the same checks through scripts/device/gpu_check_device.py.
+
+Reaches inside: the loader's `_fused` (None: adopted per-layer buffers take
+the per-layer copy path, not the fused one; which path runs has no public
+query) and `_advance_all` (the look at every load that a step with nothing
+new skips: the test times it against step(), decision 83).
 """
 import os
 import subprocess

@@ -3,6 +3,10 @@
 least `BATCH_APPLY_MIN`). Whatever the path, a user must see the same thing:
 bytes, per-page statuses, leading pages, metrics, the index healed after a
 miss or a damaged file, written pages findable, and landed order kept.
+
+Reaches inside: the engine's `_control` (its pin table: two keys that share a
+pin slot count 2 there while in flight and 0 after, drained in bulk or page
+by page; the pins are the evictor's, and no public call shows them).
 """
 import os
 import sys

@@ -170,8 +170,8 @@ def test_pinned_workers_keep_off_the_scheduler_core_and_leave_its_affinity(store
         pytest.skip("needs at least 2 CPUs")
     with engine(store, pages=4, workers=2, pin_workers=True) as e:
         assert os.sched_getaffinity(0) == before  # threads started later keep every CPU
-        for h in e._pool.workers:
-            cpus = set(psutil.Process(h.pid).cpu_affinity())
+        for pid in e.worker_pids():
+            cpus = set(psutil.Process(pid).cpu_affinity())
             assert len(cpus) == 1 and cpus < before
         fill(e, [0], random_pages(e.geometry, 1))
         assert e.wait(e.backup(["pin"], [0]), 30)

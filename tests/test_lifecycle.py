@@ -1,4 +1,9 @@
-"""Daemonic parents, stale segments, torch-free workers: starting and stopping leave nothing behind."""
+"""Daemonic parents, stale segments, torch-free workers: starting and stopping leave nothing behind.
+
+Reaches inside: the engine's `_pool` (its workers' child handles, kept past
+close() to read each worker's exit code: close() reaps them, so their pids
+can no longer say how they ended).
+"""
 import multiprocessing as mp
 import subprocess
 import sys
@@ -45,7 +50,7 @@ def test_engine_starts_inside_a_daemonic_process(store):
 
 def test_workers_import_no_torch(store):
     with engine(store, pages=2, workers=1) as e:
-        pid = e._pool.workers[0].pid
+        pid = e.worker_pids()[0]
         maps = open(f"/proc/{pid}/maps").read()
         assert "libtorch" not in maps, "a worker loaded torch"
         rss_mb = psutil.Process(pid).memory_info().rss / 2**20
@@ -58,7 +63,7 @@ def test_a_worker_runs_only_its_own_threads(store):
     algebra, so they run their main thread and their I/O lanes only."""
     for depth in (1, 2):
         with engine(store, pages=2, workers=1, io_depth=depth) as e:
-            pid = e._pool.workers[0].pid
+            pid = e.worker_pids()[0]
             env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
             assert b"OPENBLAS_NUM_THREADS=1" in env
             # main thread + `depth` lanes (at depth 1, the write lane)

@@ -11,13 +11,24 @@ with a one-line reason: other projects' private attributes that an adapter
 must read, the standard library's underscore names that are public API, and
 the cases still to remove ("to do"), so the list is honest and shrinks.
 
+The tests may reach inside (a fault test plays a dying worker or a torn
+control word, which no public call may offer), but each test module says so:
+its docstring has a paragraph beginning `Reaches inside:` that names every
+private name the module reads or writes, and why. The same `private_accesses`
+scan over tests/ finds any name missing there, and any name listed there that
+the module no longer uses.
+
 Runs in well under a second: no module is imported.
 """
 import ast
+import functools
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("hicache_mp", "workers", "shm")
+TESTS = ROOT / "tests"
+REACHES = "Reaches inside:"
 
 # Underscore names that are public API of the standard library or numpy,
 # wherever they are read.
@@ -104,6 +115,40 @@ def private_accesses(path: pathlib.Path) -> list:
     return found
 
 
+def reaches_listed(path: pathlib.Path) -> set:
+    """The private names the module docstring's `Reaches inside:` paragraph
+    names (every `_name` in it, as `_pool` or `e._pool.workers`); empty
+    without one. The paragraph runs from its first line to the next blank line."""
+    doc = ast.get_docstring(ast.parse(path.read_text(), str(path))) or ""
+    names, inside = set(), False
+    for line in doc.splitlines():
+        if not line.strip():
+            inside = False
+        elif line.lstrip().startswith(REACHES):
+            inside = True
+        if inside:
+            names.update(re.findall(r"(?<![A-Za-z0-9_])_[A-Za-z0-9_]+", line))
+    return {n for n in names if not n.startswith("__")}
+
+
+@functools.lru_cache(maxsize=None)
+def reach_findings(root: pathlib.Path = TESTS) -> tuple:
+    """(unlisted, stale) over every .py under `root`: `file:line: expr` of each
+    access whose name its module's `Reaches inside:` paragraph does not name,
+    and `file: name` of each name listed there that the module no longer reaches."""
+    unlisted, stale = [], []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).as_posix()
+        listed = reaches_listed(path)
+        used = set()
+        for line, expr, name in private_accesses(path):
+            used.add(name)
+            if name not in listed:
+                unlisted.append(f"{rel}:{line}: {expr}")
+        stale += [f"{rel}: {name}" for name in sorted(listed - used)]
+    return unlisted, stale
+
+
 def findings() -> list:
     out = []
     for pkg in PACKAGES:
@@ -144,3 +189,44 @@ def test_the_check_finds_what_it_is_for(tmp_path):
     path = tmp_path / "probe.py"
     path.write_text(src)
     assert [(line, name) for line, _, name in private_accesses(path)] == [(7, "_ops"), (8, "_lock")]
+
+
+def test_tests_say_why_they_reach_inside():
+    """A test may read or write another object's private field (fault
+    injection, another project's private method it replaces), but its module
+    says which and why, in its docstring's `Reaches inside:` paragraph."""
+    unlisted, _ = reach_findings()
+    assert not unlisted, (f"a private name its module's docstring does not name in a "
+                          f"'{REACHES}' paragraph (use a public call, or name it there "
+                          f"with the reason):\n  " + "\n  ".join(unlisted))
+
+
+def test_every_listed_reach_is_still_used():
+    """A name listed in a `Reaches inside:` paragraph that its module no longer
+    reaches leaves the paragraph, so the lists only say what is true."""
+    _, stale = reach_findings()
+    assert not stale, f"listed in a '{REACHES}' paragraph, reached no more: {stale}"
+
+
+def test_the_test_check_finds_an_unlisted_reach_and_accepts_a_listed_one(tmp_path):
+    tests = tmp_path / "tests"
+    (tests / "faults").mkdir(parents=True)
+    body = ("def test_it(e):\n"
+            "    e._pool.workers[0].kill()\n"     # line 2 of the body
+            "    return e._control, os._exit\n")  # os._exit: public API, never listed
+    unsaid = tests / "faults" / "test_unsaid.py"
+    unsaid.write_text('"""Kills a worker.\n\nReaches inside: `_pool`, to kill it."""\n' + body)
+    said = tests / "test_said.py"
+    said.write_text('"""Kills a worker.\n\nReaches inside: `_pool` (the worker to kill)\n'
+                    'and `e._control` (a torn control word): fault injection.\n"""\n' + body)
+    silent = tests / "test_silent.py"
+    silent.write_text(body)   # no docstring at all
+    stale = tests / "test_stale.py"
+    stale.write_text('"""Nothing.\n\nReaches inside: `_evictor`, once.\n\n'
+                     'Later text: `_pool` is not listed here.\n"""\nx = 1\n')
+    assert reaches_listed(said) == {"_pool", "_control"}
+    assert reaches_listed(stale) == {"_evictor"}   # its paragraph ends at the blank line
+    unlisted, stale_names = reach_findings(tests)
+    assert unlisted == ["tests/faults/test_unsaid.py:6: e._control",
+                        "tests/test_silent.py:2: e._pool", "tests/test_silent.py:3: e._control"]
+    assert stale_names == ["tests/test_stale.py: _evictor"]

@@ -1,6 +1,12 @@
 """A thread blocked in wait() on one batch is woken about once, when the
 batch is done, not once per page: each wake-up takes the GIL back from the
-scheduler (control: WAKE_AT)."""
+scheduler (control: WAKE_AT).
+
+Reaches inside: the engine's `_waiters` (the wake-up protocol's state: the
+tests set its measured pace and GIL hand-back delay to force an early or
+spun wake-up, and read its counters between two calls; metrics() shows the
+counters but nothing may set the pace).
+"""
 import os
 
 import torch

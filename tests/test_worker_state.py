@@ -6,6 +6,10 @@ STUCK, DYING, GONE; a replacement killed before it is ready goes FAILED;
 with /dev/shm full the killed worker's replacement waits for its reaping
 (DYING_UNREPLACED, REAPED). A move the table does not have raises and
 changes nothing.
+
+Reaches inside: the engine's `_pool` (the WorkerPool: its handles, their
+states and trails, usable(), starting, dying, respawn()): the states are what
+the tests check, and no public call shows or moves them.
 """
 import os
 import signal

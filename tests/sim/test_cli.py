@@ -1,4 +1,11 @@
-"""`hicache-mp bench`: --help documents every flag; a small run prints the table and JSON."""
+"""`hicache-mp bench`: --help documents every flag; a small run prints the table and JSON.
+
+Reaches inside: `cli._bench_parser` (the builder of the bench subcommand's
+parser; the public build_parser() returns the top parser, whose subparsers
+argparse gives no public way to) and argparse's `_actions` (a parser's
+options, which argparse lists publicly only as help text): the flags --help
+shows are compared with the flags the parser has.
+"""
 import json
 import subprocess
 import sys
