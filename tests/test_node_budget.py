@@ -160,6 +160,29 @@ def test_explicit_engines_over_their_shared_budget_are_warned_of(node, store, mo
     assert not os.path.exists(node)
 
 
+def test_a_budget_warning_is_given_once_per_cause_in_a_process(node, store, monkeypatch,
+                                                              caplog):
+    """An engine made again as the one before it (the bench's warm-up engine,
+    then its run's) has the same cause: its words go to INFO, not a second
+    warning. Another count is another cause, and a warning again. (3 CPUs,
+    a count no other test uses: the words are this test's own.)"""
+    monkeypatch.setenv(NODE_CORES_ENV, "3")
+    caplog.set_level("INFO", logger="hicache_mp")
+
+    def said(workers):
+        caplog.clear()
+        PrefetchEngine(EngineConfig(storage_dir=store, num_workers=workers,
+                                    host_pool_pages=8), GEO).close()
+        return [(r.levelname, r.getMessage()) for r in caplog.records
+                if "above this process's CPU budget" in r.getMessage()]
+
+    first, again, other = said(3), said(3), said(4)
+    assert [lvl for lvl, _ in first + again + other] == ["WARNING", "INFO", "WARNING"]
+    assert again[0][1] == first[0][1] + " (as warned before in this process)"
+    assert "num_workers=3" in first[0][1] and "num_workers=4" in other[0][1]
+    assert not os.path.exists(node)
+
+
 def test_auto_says_what_it_chose_and_warns_where_no_cpu_is_left(node, store, monkeypatch,
                                                                 caplog):
     """Four announced engines (node_engines=4, SGLang's TP ranks) on 4 CPUs:

@@ -108,33 +108,49 @@ def _budget_words(budget: CpuBudget, engines: int) -> str:
     return f"{budget.cpus} CPU(s) ({budget.source}), {each}"
 
 
+# The budget warnings given in this process, by their words. An engine made
+# again with the same settings, as the one before it closed (the bench's
+# warm-up engine, then its measured run's; a server that restarts its
+# engine), has the same cause: the repeat goes to INFO. Another cause (another
+# count, budget or set of engines beside it) has other words: a warning again.
+_WARNED: set = set()
+
+
+def _warn_once(text: str) -> None:
+    if text in _WARNED:
+        log.info("%s (as warned before in this process)", text)
+    else:
+        _WARNED.add(text)
+        log.warning("%s", text)
+
+
 def _say_share(share: NodeBudget, workers: int, budget: CpuBudget) -> None:
     """One line at start saying what the workers were sized from (info), or,
     where the engines of this budget run more workers than it holds, one
     warning that names the fix (as PyTorch's DataLoader warns of more workers
     than CPUs): in a container the extra ones get the whole cgroup throttled,
-    the scheduler with it (decisions 89, 98)."""
+    the scheduler with it (decisions 89, 98). Once per cause in a process
+    (_warn_once)."""
     words = _budget_words(budget, share.engines)
     split = share.split
     if share.explicit is not None:
         if not share.over_by():
             return
         room, others = max(0, split.room()), split.taken
-        log.warning(
-            "hicache_mp: num_workers=%d is above this process's CPU budget: %s%s, which "
-            "leaves %s for workers. Workers beyond it slow the scheduler, and under a CPU "
-            "quota get the whole cgroup throttled, the scheduler with it: use num_workers=0 "
-            "(auto; --hicache-mp-workers 0, or \"num_workers\": 0 in SGLang's extra config), "
-            "at most %d workers%s, or a higher CPU limit",
-            workers, words,
-            f"; its other engines already run {others} workers" if others else "",
-            room or "none", max(1, room - others), " here" if others else "")
+        _warn_once(
+            f"hicache_mp: num_workers={workers} is above this process's CPU budget: {words}"
+            f"{f'; its other engines already run {others} workers' if others else ''}, which "
+            f"leaves {room or 'none'} for workers. Workers beyond it slow the scheduler, and "
+            f"under a CPU quota get the whole cgroup throttled, the scheduler with it: use "
+            f"num_workers=0 (auto; --hicache-mp-workers 0, or \"num_workers\": 0 in SGLang's "
+            f"extra config), at most {max(1, room - others)} workers"
+            f"{' here' if others else ''}, or a higher CPU limit")
     elif share.floored():
-        log.warning(
-            "hicache_mp: auto sized this engine's workers from %s: no CPU is left for them, so "
-            "it runs the minimum of one worker, above the budget (the engines of this budget "
-            "run %d workers in all). Raise the CPU limit, or run fewer engines under it",
-            words, split.taken + workers)
+        _warn_once(
+            f"hicache_mp: auto sized this engine's workers from {words}: no CPU is left for "
+            f"them, so it runs the minimum of one worker, above the budget (the engines of "
+            f"this budget run {split.taken + workers} workers in all). Raise the CPU limit, "
+            f"or run fewer engines under it")
     else:
         log.info("hicache_mp: %d I/O worker(s) (auto), from %s", workers, words)
 
