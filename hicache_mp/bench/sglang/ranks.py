@@ -29,6 +29,7 @@ import time
 
 import hicache_mp
 from hicache_mp.bench.sglang import stack as S
+from hicache_mp.engine.cpubudget import read_budget
 
 # The package's root, for a rank child's PYTHONPATH (a checkout that is not installed).
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(hicache_mp.__file__)))
@@ -154,9 +155,16 @@ def main(argv=None) -> dict:
         json_out = argv[i + 1]
         del argv[i:i + 2]
     S.parse(argv)  # bad arguments fail here, before any rank starts
-    import psutil
-    cores = int(os.environ.get("HICACHE_MP_NODE_CORES") or psutil.cpu_count(logical=False) or 1)
-    res = {"cores": cores, "ranks": n}
+    # The CPUs the ranks' engines size their workers from, read as they read
+    # them (HICACHE_MP_NODE_CORES parsed strictly, capped by affinity and the
+    # cgroup's quota), so the check below measures against their budget.
+    try:
+        budget = read_budget()
+    except ValueError as exc:  # a bad HICACHE_MP_NODE_CORES: the engines would refuse it too
+        print(f"sglang_ranks: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    cores = budget.cpus
+    res = {"cores": cores, "cores_source": budget.source, "ranks": n}
     procs = start_ranks(n, argv)
     try:
         with tempfile.TemporaryDirectory(prefix="hicache_mp-ranks-") as root:
