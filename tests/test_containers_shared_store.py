@@ -11,11 +11,14 @@ directory, its owner and the fix; before, only `denied` (Permission
 denied) with no path.
 
 Real uids (`setpriv`) in a private mount namespace with its own /dev/shm
-(tests/containerkit.py, `shared_store`). Root only; skipped, with the reason,
-where unshare is refused.
+(tests/containerkit.py, `shared_store`); a read-only bind mount in a private
+mount namespace. Root only; skipped, with the reason, where unshare is
+refused.
 """
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import containerkit
@@ -88,3 +91,23 @@ def _ours_left(left: list) -> list:
     """Segments, semaphores and lock files in the private /dev/shm (the node
     registry's directory may stay)."""
     return [n for n in left if not n.startswith("hicache_mp-node")]
+
+
+def test_a_store_on_a_read_only_mount_is_named_as_such(tmp_path):
+    """A read-only bind mount of the store (in a private mount namespace):
+    the start's words say read-only and name the directory, where uid and
+    mode would mislead (root may write any mode, but not there)."""
+    containerkit.require_namespaces()
+    store = str(tmp_path / "ro")
+    os.mkdir(store)
+    script = ("import sys; from workers.store import write_problem; "
+              "print(write_problem(sys.argv[1]))")
+    cmd = (f'mount --bind "$1" "$1" && mount -o remount,ro,bind "$1" && '
+           f'exec "$0" -c "{script}" "$1"')
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    got = subprocess.run(["unshare", "-m", "sh", "-c", cmd, sys.executable, store],
+                         capture_output=True, text=True, timeout=60, cwd=root)
+    assert got.returncode == 0, got.stderr
+    line = got.stdout.strip()
+    assert store in line and "read-only filesystem" in line and "denied" in line, line
+    assert "mount it read-write" in line, line
