@@ -115,7 +115,8 @@ class EngineConfig:
         flag="--hicache-mp-workers", sglang=True, lo=0, hi=MAX_WORKERS, metavar="N")
     node_engines: int = setting(
         0, "engines expected on this node that share the auto worker budget (see num_workers); 0 = those registered when this one starts, plus this one "
-        "(SGLang's adapter passes the server's ranks on the node). Only used when num_workers "
+        "(SGLang's adapter passes the server's ranks on the node, vLLM's tier its data-parallel "
+        "replicas). Only used when num_workers "
         "is 0", sglang=True, lo=0,
         hi=MAX_WORKERS, metavar="N")
     host_pool_pages: int = setting(1024, "host pool slots", lo=1)

@@ -33,7 +33,11 @@ shutdown wait, as vLLM's contract says.
 Capacity (storage_max_bytes, storage_min_free_bytes: LRU eviction by a
 separate process), several directories (storage_dir as a comma-separated
 string or a list), checksums and the stall watchdog are the engine's, set from
-the same keys as for SGLang. Keys: vLLM's OffloadKey bytes as hex, in a
+the same keys as for SGLang. With auto workers (num_workers 0) the engine
+counts one engine per data-parallel replica on the node (node_engines(): vLLM
+builds a tier per replica, in its scheduler's process), as SGLang's adapter
+counts its ranks, so replicas split the node's CPUs whichever starts first.
+Keys: vLLM's OffloadKey bytes as hex, in a
 namespace made from vLLM's own FileMapper identity (model, parallel layout,
 dtype, groups) and the row size, so instances share pages exactly when vLLM's
 `fs` tier would let them. Tested with vLLM 0.33.0 (`.ci/vllm-requirements.txt`).
@@ -169,7 +173,9 @@ class HiCacheMPTier(SecondaryTierManager):
                              f"can map it: {exc}") from None
         try:
             cfg = engine_config(options, storage_dir=storage_dir,
-                                host_pool_pages=self.num_chunks, **namespace(offloading_spec))
+                                host_pool_pages=self.num_chunks,
+                                defaults={"node_engines": node_engines(offloading_spec)},
+                                **namespace(offloading_spec))
             self.engine = PrefetchEngine(cfg, row_geometry(self.row_bytes),
                                          pool_parts=[(fd, region.offset, self.row_bytes)])
         finally:
@@ -185,8 +191,8 @@ class HiCacheMPTier(SecondaryTierManager):
         self._busy = gilkeep.zeros(self.num_chunks, bool)  # rows an op in flight names
         self._warned: set = set()
         log.info("hicache_mp: vLLM tier %r zero-copy over %s (%d rows of %d bytes, %d workers, "
-                 "store %s)", tier_type, region.path, self.num_chunks, self.row_bytes,
-                 self.engine.worker_count(), cfg.storage_dir)
+                 "node_engines %d, store %s)", tier_type, region.path, self.num_chunks,
+                 self.row_bytes, self.engine.worker_count(), cfg.node_engines, cfg.storage_dir)
 
     # --- lookups ----------------------------------------------------------------
     def lookup(self, key, req_context) -> LookupResult:
@@ -408,6 +414,19 @@ class HiCacheMPTier(SecondaryTierManager):
         if cause not in self._warned:
             self._warned.add(cause)
             log.warning(msg + " (later ones with this cause are not logged)")
+
+
+def node_engines(offloading_spec) -> int:
+    """The engines this vLLM server runs on a node, which share its auto worker
+    budget (hicache_mp.engine.nodebudget), as SGLang's adapter passes its
+    ranks: one per data-parallel replica. vLLM builds its tiers in the
+    scheduler's process (TieringOffloadingSpec.get_manager, once per replica:
+    engine_id is per replica), not in its TP/PP workers, so each replica has
+    one engine whatever its world size. vLLM's OffloadingConfig does not say
+    how many replicas are on this node: where DP spans nodes this counts them
+    all, which leaves workers unused but never over the budget; the tier's
+    "node_engines" key says the node's count."""
+    return max(1, int(offloading_spec.config.parallel.data_parallel_size))
 
 
 def namespace(offloading_spec) -> dict:
