@@ -1,4 +1,8 @@
-"""Small builders shared by tests: geometries, engines, random pages."""
+"""Small builders shared by tests: geometries, engines, random pages, and
+what a child server left behind."""
+import os
+import time
+
 import torch
 
 from hicache_mp import EngineConfig, PageGeometry, make_engine
@@ -40,3 +44,26 @@ def backed_up(eng, n: int, seed: int):
 def read_back(eng, slots) -> torch.Tensor:
     views = [eng.host_pool.page_view(s).clone() for s in slots]
     return torch.stack(views) if views else torch.empty(0, *eng.geometry.page_shape, dtype=getattr(torch, eng.geometry.dtype))
+
+
+def leftovers(pid: int, worker_pids, segments=()) -> tuple[list, list]:
+    """/dev/shm entries a child server owned (by the owner pid in their names,
+    or among `segments`) and its workers still alive (zombies are gone), after
+    a short grace for exits."""
+    import psutil
+
+    from shm.names import list_ours, owner_pid
+    deadline = time.monotonic() + 2.0
+    while True:
+        shm = sorted({n for n in list_ours() if owner_pid(n) == pid} |
+                     {n for n in segments if os.path.exists(os.path.join("/dev/shm", n))})
+        procs = []
+        for w in worker_pids:
+            try:
+                if psutil.Process(w).status() != psutil.STATUS_ZOMBIE:
+                    procs.append(w)
+            except psutil.NoSuchProcess:
+                pass
+        if not (shm or procs) or time.monotonic() > deadline:
+            return shm, procs
+        time.sleep(0.05)

@@ -19,25 +19,12 @@ import pytest
 from hicache_mp.bench.cgroups import QuotaCgroup
 from hicache_mp.engine.cpubudget import CpuBudget, Quota, read_budget, read_quota, read_throttle
 from hicache_mp.engine.nodebudget import NodeBudget, scheduler_cores
+from cgroupkit import V1_MOUNTS, V2_MOUNT, lay
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# --- cgroup trees laid in a directory -----------------------------------------------
-def lay(root, files: dict) -> str:
-    for rel, text in files.items():
-        path = os.path.join(root, rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(text)
-    return str(root)
-
-
-V2_MOUNT = "30 23 0:27 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
-V1_MOUNT = ("40 23 0:33 / /sys/fs/cgroup/cpu,cpuacct rw,nosuid - cgroup cgroup rw,cpu,cpuacct\n"
-            "41 23 0:34 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory\n")
-
-
+# --- cgroup trees laid in a directory (cgroupkit) -------------------------------------
 def test_v2_the_tightest_of_the_leaf_and_its_ancestors_binds(tmp_path):
     root = lay(tmp_path, {
         "proc/self/mountinfo": V2_MOUNT,
@@ -84,7 +71,7 @@ def test_v2_mount_root_below_the_hierarchy(tmp_path):
 
 
 def test_v1_quota_period_nested_and_unlimited(tmp_path):
-    files = {"proc/self/mountinfo": V1_MOUNT,
+    files = {"proc/self/mountinfo": V1_MOUNTS,
              "proc/self/cgroup": "5:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n",
              "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "-1\n",
              "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000\n",
@@ -269,4 +256,3 @@ def test_a_throttled_cgroup_is_counted_and_warned_of_once_naming_whose_work(spin
     else:
         assert "other work in this container took the CPU" in warned[0]
         assert "used 0% of it" in warned[0] and "--hicache-mp-workers" not in warned[0]
-

@@ -23,26 +23,14 @@ import time
 
 import pytest
 
+from hicache_mp.bench.cgroups import remove_cgroup
 from hicache_mp.engine.checks import check_pool_size, memory_limit
 from hicache_mp.engine.cpubudget import cgroup_levels, read_text
+from cgroupkit import V1_MOUNTS, V2_MOUNT, lay
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB, GiB = 1 << 20, 1 << 30
 V1_NONE = "9223372036854771712\n"  # what v1 writes for "no limit" (4 KiB pages)
-
-
-def lay(root, files: dict) -> str:
-    for rel, text in files.items():
-        path = os.path.join(root, rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(text)
-    return str(root)
-
-
-V2_MOUNT = "30 23 0:27 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
-V1_MOUNTS = ("40 23 0:33 / /sys/fs/cgroup/cpu,cpuacct rw,nosuid - cgroup cgroup rw,cpu,cpuacct\n"
-             "41 23 0:34 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory\n")
 
 
 def test_v2_the_pod_limit_above_the_container_binds(tmp_path):
@@ -162,7 +150,7 @@ def test_an_engine_in_a_real_memory_cgroup_too_small_for_its_pool_is_refused(sto
             f"the child died (rc {proc.returncode}: -9 is the OOM killer):\n{proc.stderr[-3000:]}"
         got = json.loads(line[0][len("RESULT "):])
     finally:
-        _remove(path)
+        remove_cgroup(path)
         from shm.names import clean_stale
         clean_stale()  # what a child killed while it made its pool left (the unfixed code)
     assert got["type"] == "ValueError", got
@@ -170,18 +158,3 @@ def test_an_engine_in_a_real_memory_cgroup_too_small_for_its_pool_is_refused(sto
         assert words in got["error"], (words, got["error"])
     assert got["left"] == [], got["left"]
     assert not os.path.exists(path)
-
-
-def _remove(path: str, timeout_s: float = 10.0) -> None:
-    """rmdir the cgroup once its processes are gone (they are: run() waited)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            os.rmdir(path)
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)

@@ -22,10 +22,10 @@ import sys
 import threading
 import time
 
-import psutil
 import pytest
 
-from shm.names import list_ours, owner_pid
+from helpers import leftovers
+from shm.names import list_ours
 from shm.wake import WakeSemaphore
 from shm import new_owner_tag
 
@@ -51,24 +51,6 @@ def _next(lines: queue.Queue, timeout_s: float):
         return lines.get(timeout=timeout_s)
     except queue.Empty:
         return None, None
-
-
-def _leftovers(pid: int, workers, segments) -> tuple[list, list]:
-    """The child's /dev/shm entries and its workers still running, after a short grace."""
-    deadline = time.monotonic() + 2.0
-    while True:
-        shm = sorted({n for n in list_ours() if owner_pid(n) == pid} |
-                     {n for n in segments if os.path.exists(os.path.join("/dev/shm", n))})
-        procs = []
-        for w in workers:
-            try:
-                if psutil.Process(w).status() != psutil.STATUS_ZOMBIE:
-                    procs.append(w)
-            except psutil.NoSuchProcess:
-                pass
-        if not (shm or procs) or time.monotonic() > deadline:
-            return shm, procs
-        time.sleep(0.05)
 
 
 def _serve(store: str, mode: str, signum: int, sends: int = 1, every_s: float = 0.1) -> dict:
@@ -113,7 +95,7 @@ def _serve(store: str, mode: str, signum: int, sends: int = 1, every_s: float = 
             proc.wait()
     out["stderr"] = proc.stderr.read()
     proc.stderr.close()
-    out["shm_left"], out["procs_left"] = _leftovers(proc.pid, workers, segments)
+    out["shm_left"], out["procs_left"] = leftovers(proc.pid, workers, segments)
     return out
 
 

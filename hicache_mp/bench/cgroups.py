@@ -60,6 +60,22 @@ def ours_left() -> set[str]:
     return out
 
 
+def remove_cgroup(path: str, timeout_s: float = 10.0) -> None:
+    """rmdir a cgroup this code made, once its processes are gone (they must
+    be ending: a cgroup with a process in it refuses rmdir with EBUSY)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 class QuotaCgroup:
     """`with QuotaCgroup(4.0) as cg: Popen(..., preexec_fn=cg.enter)`."""
 
@@ -106,17 +122,7 @@ class QuotaCgroup:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Remove the cgroup once its processes are gone (they must be ending)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                os.rmdir(self.path)
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        remove_cgroup(self.path, timeout_s)
 
     def __enter__(self):
         return self

@@ -293,7 +293,8 @@ def trial(root: str, handler: str, target: str, *, rounds: int = 1, workers: int
     text = stderr.read()
     stderr.close()
     lost = _check_acks(store, namespace, ack_path)
-    shm_left, procs_left = _leftovers(proc.pid, workers_seen)
+    from helpers import leftovers  # the parent's side only: the child never needs it
+    shm_left, procs_left = leftovers(proc.pid, workers_seen)
     for res in results:  # what is checked once per child counts on its last round
         _collect(res, res.pop("seen"))
         res.update(lost=0, shm_left=[], procs_left=[], rc=proc.returncode)
@@ -360,27 +361,6 @@ def _check_acks(store: str, namespace, ack_path: str) -> int:
                 payload != content(key, g.page_bytes):
             lost += 1
     return lost
-
-
-def _leftovers(pid: int, worker_pids) -> tuple[list, list]:
-    """/dev/shm entries the child owned and its workers still alive, after a
-    short grace for exits."""
-    import psutil
-
-    from shm.names import list_ours, owner_pid
-    deadline = time.monotonic() + 2.0
-    while True:
-        shm = [n for n in list_ours() if owner_pid(n) == pid]
-        procs = []
-        for w in worker_pids:
-            try:
-                if psutil.Process(w).status() != psutil.STATUS_ZOMBIE:
-                    procs.append(w)
-            except psutil.NoSuchProcess:
-                pass
-        if not (shm or procs) or time.monotonic() > deadline:
-            return shm, procs
-        time.sleep(0.05)
 
 
 if __name__ == "__main__" and sys.argv[1] == "child":
