@@ -84,6 +84,9 @@ def test_a_store_directory_this_uid_cannot_write_is_named_once_with_the_fix(stor
                   f"chown -R 1000 {root_owned}", "chmod g+s", "decision 100",
                   "run the engine as the directory's owner (uid 0)"):
         assert words in line, (words, line)
+    # the denied pages' own cause line (once) names the directory and the fix too
+    causes = [w for w in run["warnings"] if "write: denied" in w]
+    assert len(causes) == 1 and root_owned in causes[0] and "chown" in causes[0], run["warnings"]
     assert _ours_left(run["left"]) == [], run["left"]
 
 

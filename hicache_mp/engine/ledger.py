@@ -379,5 +379,12 @@ class OpLedger:
                       f" (over backup_budget_pages={self._backup_budget})")
         else:
             detail = f" ({os.strerror(err)})" if err else ""
+        if code == st.DENIED:
+            # the page's path is a digest nobody recognises: name the store's
+            # directories and the fix (the start warning, workers.store
+            # .write_problem, says whose and which mode)
+            detail += (f" writing into {', '.join(self._index.store.roots)}: this uid "
+                       f"({os.getuid()}) may not write there; chown it, share it by a setgid "
+                       f"group (docs/operations.md), or run as its owner")
         log.warning("hicache_mp %s: %s%s; later pages with this cause are counted in "
                     "metrics(), not logged", kind, st.NAMES[code], detail)
