@@ -1,6 +1,14 @@
 """One TP rank of test_sglang_fastpath's two-rank case, as its own process.
 
-argv: RANK WORLD PG_FILE STORE OUT_JSON VARIANT(stock|fast) PAGES_STORED
+argv: RANK WORLD PG_FILE STORE OUT_JSON VARIANTS PAGES_STORED
+VARIANTS: stock, fast, or several in turn ("stock,fast"): one SGLang import
+and one gloo group serve them all. Stock runs before install(), so a
+"stock,fast" process is stock first exactly as a fresh process would be
+(install() then replaces the controller's methods for the stacks built after
+it, as in test_dense_same_as_stock); each variant has its own store
+(STORE/VARIANT) and its own result file (OUT_JSON.VARIANT), written as soon
+as that variant is done.
+
 Joins a gloo group (torch.distributed, file:// rendezvous), builds SGLang's
 real HiCacheController over hicache_mp with that group as its TP group (so
 hit counts and acks are agreed across the ranks, MIN), backs up its first
@@ -8,6 +16,7 @@ PAGES_STORED pages, prefetches the whole sequence once, and writes what it
 saw: the agreed hit, the completed tokens, the pages checked and wrong.
 """
 import json
+import os
 import sys
 
 import torch
@@ -20,15 +29,12 @@ DENSE = ["--round-mib", "1.25", "--page-mib", "0.0078125", "--layers", "2", "--h
          "--head-dim", "64", "--requests", "1", "--workers", "1", "--timeout-s", "60"]
 
 
-def main(argv) -> None:
-    rank, world, pg, store, out, variant, stored = argv
-    rank, world, stored = int(rank), int(world), int(stored)
-    sgl = R.import_stack()
-    torch.distributed.init_process_group("gloo", init_method=f"file://{pg}", rank=rank,
-                                         world_size=world)
+def run_variant(sgl, rank: int, world: int, store: str, variant: str, stored: int) -> dict:
+    from hicache_mp.integrations.sglang import fastpath
     if variant == "fast":
-        from hicache_mp.integrations.sglang import fastpath
         fastpath.install()
+    else:
+        assert variant == "stock" and not fastpath.installed(), variant
     args = S.parse(DENSE)
     s = S.Stack(sgl, "mp", args, store, tp_rank=rank, tp_size=world,
                 tp_group=torch.distributed.group.WORLD)
@@ -46,10 +52,21 @@ def main(argv) -> None:
                "page_tokens": P}
     finally:
         s.close()
-    torch.distributed.barrier()
+    torch.distributed.barrier()              # both ranks' stacks closed before the next
+    return res
+
+
+def main(argv) -> None:
+    rank, world, pg, store, out, variants, stored = argv
+    rank, world, stored = int(rank), int(world), int(stored)
+    sgl = R.import_stack()
+    torch.distributed.init_process_group("gloo", init_method=f"file://{pg}", rank=rank,
+                                         world_size=world)
+    for variant in variants.split(","):
+        res = run_variant(sgl, rank, world, os.path.join(store, variant), variant, stored)
+        with open(f"{out}.{variant}", "w") as f:
+            json.dump(res, f)
     torch.distributed.destroy_process_group()
-    with open(out, "w") as f:
-        json.dump(res, f)
 
 
 if __name__ == "__main__":

@@ -680,24 +680,22 @@ def test_only_a_backend_that_can_answer_at_once_is_hashed_on_the_scheduler(
         s.close()
 
 
-@pytest.mark.parametrize("variant", ["stock", "fast"])
-def test_two_tp_ranks_agree_through_the_fast_path(tmp_path, variant):
-    """Two TP ranks in their own processes, joined in a gloo group that is
-    SGLang's TP group: their hit queries and acks are agreed across them
-    (MIN), stock and with the fast path (whose hit query then stays on the
-    prefetch thread, and whose acks are reduced on the I/O thread). Rank 1
-    stored 100 of the 160 pages, so both ranks load exactly 100, bytes
-    checked; neither hangs."""
-    import json
+@pytest.fixture(scope="module")
+def two_tp_ranks(tmp_path_factory):
+    """Two TP rank processes (fastpath_rank.py), each running stock and then
+    the fast path in turn: one SGLang import and one gloo group per rank serve
+    both variants (the import is most of a rank's time). Returns the exit
+    codes, the ranks' stderr tails and where their result files are."""
     import subprocess
     import sys
+    tmp = tmp_path_factory.mktemp("tp_ranks")
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(os.path.dirname(here))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [root, here, os.environ.get("PYTHONPATH", "")]))
-    pg, store = tmp_path / "pg", tmp_path / "store"
+    pg, store = tmp / "pg", tmp / "store"
     procs = [subprocess.Popen([sys.executable, os.path.join(here, "fastpath_rank.py"), str(r),
-                               "2", str(pg), str(store), str(tmp_path / f"r{r}.json"), variant,
+                               "2", str(pg), str(store), str(tmp / f"r{r}.json"), "stock,fast",
                                str(160 if r == 0 else 100)],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
              for r in (0, 1)]
@@ -710,7 +708,24 @@ def test_two_tp_ranks_agree_through_the_fast_path(tmp_path, variant):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert [p.returncode for p in procs] == [0, 0], errs
-    res = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in (0, 1)]
+    return [p.returncode for p in procs], errs, tmp
+
+
+@pytest.mark.parametrize("variant", ["stock", "fast"])
+def test_two_tp_ranks_agree_through_the_fast_path(two_tp_ranks, variant):
+    """Two TP ranks in their own processes, joined in a gloo group that is
+    SGLang's TP group: their hit queries and acks are agreed across them
+    (MIN), stock and with the fast path (whose hit query then stays on the
+    prefetch thread, and whose acks are reduced on the I/O thread). Rank 1
+    stored 100 of the 160 pages, so both ranks load exactly 100, bytes
+    checked; neither hangs. Both variants run in the same two processes
+    (the two_tp_ranks fixture: stock first, before install(), then fast),
+    each on its own store, with its own result files."""
+    import json
+    rcs, errs, tmp = two_tp_ranks
+    files = [tmp / f"r{r}.json.{variant}" for r in (0, 1)]
+    assert all(f.exists() for f in files), (variant, rcs, errs)
+    res = [json.loads(f.read_text()) for f in files]
     for r in res:
         assert r["done"] == 100 * r["page_tokens"] and r["checked"] == 100 and r["wrong"] == 0, res
+    assert rcs == [0, 0], errs
