@@ -210,9 +210,14 @@ def test_a_real_quota_sizes_the_engine_and_its_throttling_shows(store):
 
 
 THROTTLED = textwrap.dedent("""
-    import logging, subprocess, sys, time
+    import logging, os, subprocess, sys, time
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from hicache_mp.engine.cpubudget import ThrottleWatch, read_budget
+    # Into the cgroup once imported (an interpreter's start at a fifth of a CPU
+    # is most of a second), before anything reads or spins in it.
+    with open(sys.argv[2], "w") as f:
+        f.write(str(os.getpid()))
+    assert sys.argv[3] in open("/proc/self/cgroup").read()
     budget = read_budget()
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # in the cgroup too
     # the spinning process stands for the I/O workers, or for other work of the pod
@@ -241,8 +246,10 @@ def test_a_throttled_cgroup_is_counted_and_warned_of_once_naming_whose_work(spin
     if why:
         pytest.skip(f"no child cgroup here: {why}")
     with QuotaCgroup(0.2) as cg:   # two busy processes in a fifth of a CPU
-        p = subprocess.run([sys.executable, "-c", THROTTLED, spinner], cwd=ROOT,
-                           capture_output=True, text=True, timeout=60, preexec_fn=cg.enter)
+        p = subprocess.run([sys.executable, "-c", THROTTLED, spinner,
+                            os.path.join(cg.path, "cgroup.procs"),
+                            os.path.basename(cg.path)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     counts = eval(p.stdout.strip().splitlines()[-1])  # a dict literal we printed
     assert counts["cgroup"] == cg.path and counts["throttled"] > 0 and counts["throttled_ms"] > 0
