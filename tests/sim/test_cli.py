@@ -122,7 +122,7 @@ def test_idle_sleep0_runs_are_labelled_and_yield_in_idle_steps(tmp_path, monkeyp
     real_sleep = time_mod.sleep
     monkeypatch.setattr(scheduler.time, "sleep", lambda s: (calls.append(s), real_sleep(s)))
     path = tmp_path / "r.json"
-    base = ["bench", "--quick", "--num-requests", "3", "--hicache-storage-backend", "file",
+    base = ["bench", "--quick", "--num-requests", "2", "--hicache-storage-backend", "file",
             "--storage-dir", str(tmp_path / "s"), "--json", str(path)]
     assert cli.main(base) == 0
     assert 0 not in calls                # the stock loop never yields
