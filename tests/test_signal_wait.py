@@ -191,9 +191,9 @@ def test_a_handler_that_returns_leaves_a_semaphore_wait_to_its_deadline(sem):
         for t in timers:
             t.join()
         assert len(hits) == 3 and 1.0 <= took < 1.3, (hits, took)
+        t0 = time.monotonic()  # before the timer starts: the post is 0.5 s after t0 at the earliest
         _signal_me_after(0.2)
         threading.Timer(0.5, sem.post).start()
-        t0 = time.monotonic()
         assert sem.wait(5.0) is True  # a post still ends a wait a signal interrupted
         assert 0.5 <= time.monotonic() - t0 < 1.5 and len(hits) == 4
     finally:

@@ -139,7 +139,13 @@ class FileStore(PageStore):
             except OSError as exc:
                 return (status.MISS if exc.errno == errno.ESTALE else status.UNREADABLE), exc.errno or 0
             try:
-                mode = os.fstat(fd).st_mode
+                try:
+                    mode = os.fstat(fd).st_mode
+                except OSError as exc:
+                    # a network filesystem (FUSE: JuiceFS) may fail fstat of a file
+                    # replaced since the open (ENOENT): gone, as a failed read says
+                    return (status.MISS if exc.errno in _GONE else status.UNREADABLE), \
+                        exc.errno or 0
                 if not stat.S_ISREG(mode):
                     # A FIFO, a device node, a directory: no page, and reading it may
                     # block (a FIFO, a terminal) or copy a device's bytes. Not moved

@@ -53,6 +53,10 @@ def _run(store, me, layout, rescan_s, barrier) -> dict:
             # With temp file + rename a reader sees the old page, the new one or
             # none: never a half-written file (which would read as corrupt).
             report["torn"] += sum(n for c, n in counts.items() if c not in ("ok", "miss"))
+            for c, n in counts.items():  # which statuses, for the failure's message
+                if c not in ("ok", "miss"):
+                    report.setdefault("torn_by_status", {})[c] = \
+                        report.get("torn_by_status", {}).get(c, 0) + n
             report["wrong"] += len(wrong_pages(e, read, any_round))
             report["write_ok"] += write.ok_pages
             report["write_failed"] += write.num_pages - write.ok_pages
