@@ -6,7 +6,10 @@ needs a kernel driver this machine lacks). Mounted over one fan-out leaf
 directory of a store, it shows each named file at its real size and answers
 READ with EIO, as a failing disk or a network filesystem does; given a
 `hold` event, it answers no READ until the event is set, as a hung network
-filesystem does (the reader waits in the kernel); every other
+filesystem does (the reader waits in the kernel); given `gone_after_open`,
+a file once opened answers GETATTR with ENOENT (attributes never cached), as
+a network filesystem (JuiceFS) does for a page replaced since the open, so
+an `fstat` of the open file fails; every other
 request a page reader makes (lookup, getattr, open, release) is answered,
 the rest with ENOSYS. Must only run in a private mount namespace
 (`unshare(CLONE_NEWNS)`, done by `mount_eio`), so a dead server leaves no
@@ -45,8 +48,12 @@ def _check(rc: int, what: str) -> None:
 class EioDir:
     """Files `sizes` ({name: bytes}) in one directory; each read fails with EIO."""
 
-    def __init__(self, sizes: dict, hold: threading.Event | None = None):
+    def __init__(self, sizes: dict, hold: threading.Event | None = None,
+                 gone_after_open: bool = False):
         self.names = list(sizes)
+        self.gone_after_open = gone_after_open
+        self.opened: set = set()            # nodes opened (gone_after_open)
+        self.gone_answers = 0               # GETATTRs answered ENOENT
         self.sizes = dict(sizes)
         self.hold = hold                    # READ waits for it (at most HOLD_S)
         self.reads = 0                      # READ requests received (answered with EIO)
@@ -74,10 +81,17 @@ class EioDir:
             if node != ROOT_ID or name not in self.names:
                 return errno.ENOENT, b""
             child = self.names.index(name) + 2
-            return 0, struct.pack("<QQQQII", child, 0, 3600, 3600, 0, 0) + self._attr(child)
+            ttl = 0 if self.gone_after_open else 3600  # 0: the kernel asks GETATTR each time
+            return 0, struct.pack("<QQQQII", child, 0, 3600, ttl, 0, 0) + self._attr(child)
         if opcode == GETATTR:
-            return 0, struct.pack("<QII", 3600, 0, 0) + self._attr(node)
+            if node in self.opened:
+                self.gone_answers += 1
+                return errno.ENOENT, b""
+            ttl = 0 if self.gone_after_open else 3600
+            return 0, struct.pack("<QII", ttl, 0, 0) + self._attr(node)
         if opcode in (OPEN, OPENDIR):
+            if opcode == OPEN and self.gone_after_open:
+                self.opened.add(node)
             return 0, struct.pack("<QII", 0, 0, 0)
         if opcode == READ:
             self.reads += 1
@@ -129,8 +143,9 @@ def private_mounts() -> None:
     _check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
 
 
-def mount_eio(leaf_dir: str, sizes: dict, hold: threading.Event | None = None) -> EioDir:
+def mount_eio(leaf_dir: str, sizes: dict, hold: threading.Event | None = None,
+              gone_after_open: bool = False) -> EioDir:
     """An EioDir of `sizes` mounted over `leaf_dir` (call private_mounts() first)."""
-    d = EioDir(sizes, hold)
+    d = EioDir(sizes, hold, gone_after_open)
     d.mount(leaf_dir)
     return d

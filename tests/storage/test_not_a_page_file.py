@@ -12,6 +12,10 @@ Real FIFOs and device nodes in a real store, read by real workers, with the
 default 30 s stall timeout: the op must end in seconds, its other pages
 byte-exact, no worker stuck or replaced; the next backup of that key replaces
 the node with a page (by rename) and reads back byte-exact.
+
+The regular-file check's fstat can itself fail on a network filesystem (a
+page replaced since its open: ENOENT on FUSE): a miss, never an exception
+out of the worker (a real FUSE directory, tests/faults/eiofuse.py).
 """
 import os
 import stat
@@ -82,3 +86,45 @@ def test_a_special_file_at_a_page_path_is_unreadable_at_once(store, node, io_dep
         assert stat.S_ISREG(os.lstat(path).st_mode)
         again = prefetch(e, [KEYS[ODD]], [15])
         assert again.status == "ok" and get(e, 15) == content(KEYS[ODD], pb, version=1)
+
+
+GONE_BODY = """
+import os
+from faultkit import backup, content, fingerprint, get, make, page_file, prefetch
+import eiofuse
+keys = ["a", "b", "c", "d"]
+eiofuse.private_mounts()     # before the workers start: they share the mount
+with make(args[0], pages=8, workers=1) as e:
+    pb = e.geometry.page_bytes
+    backup(e, keys, range(4))
+    path = page_file(e, "d")
+    leaf = os.path.dirname(path)
+    assert os.listdir(leaf) == [os.path.basename(path)]
+    fuse = eiofuse.mount_eio(leaf, {os.path.basename(path): os.stat(path).st_size},
+                             gone_after_open=True)
+    pid = e.worker_pids()[0]
+    op = prefetch(e, keys, range(4, 8))
+    result["statuses"] = [int(s) for s in op.page_status]
+    result["gone_answers"] = fuse.gone_answers
+    result["same_worker"] = e.worker_pids()[0] == pid
+    result["respawns"] = e.metrics()["respawns"]
+    result["others_right"] = all(fingerprint(get(e, 4 + i)) == fingerprint(content(k, pb))
+                                 for i, k in enumerate(keys[:3]))
+    fuse.unmount()
+"""
+
+
+def test_a_page_gone_between_its_open_and_its_fstat_is_a_miss(tmp_path):
+    """On a network filesystem (JuiceFS over FUSE) a page replaced by another
+    node after this worker opened it can fail fstat with ENOENT: the read is a
+    miss, as a vanished file is (decision 30), never an exception that kills
+    the worker and fails every page it holds. A real FUSE directory over the
+    page's fan-out leaf answers GETATTR of an opened file with ENOENT."""
+    from faultkit import run_child
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse for a real FUSE filesystem")
+    got = run_child(GONE_BODY, str(tmp_path), unprivileged=False)
+    assert got["gone_answers"] >= 1, got             # the fstat reached the filesystem
+    assert got["statuses"] == [st.OK, st.OK, st.OK, st.MISS], got
+    assert got["same_worker"] and got["respawns"] == 0, got
+    assert got["others_right"], got
