@@ -118,15 +118,15 @@ class GilTracer:
         if not self.armed:
             return contextlib.nullcontext()
         self.rounds[label] = self.rounds.get(label, 0) + 1
-        tracer = self
+        return self._tagged(label)
 
-        class _Round:
-            def __enter__(self):
-                tracer._round = label
-
-            def __exit__(self, *exc):
-                tracer._round = None
-        return _Round()
+    @contextlib.contextmanager
+    def _tagged(self, label: str):
+        self._round = label
+        try:
+            yield
+        finally:
+            self._round = None
 
     # --- the profile function (runs on every watched thread) ----------------------
     def _profile(self, frame, event, arg):

@@ -229,19 +229,15 @@ class OpLedger:
                 apply(op, pos, code, io_ns, err, now, seq)
 
     def apply(self, op: Op, pos: int, code: int, io_ns: int, err: int, now_ns: int,
-              seq: int | None = None) -> None:
+              seq: int | None = None, held: bool = False) -> None:
         """Feed one page's outcome to its op; retire the op when it is done.
-        `seq`: its place in the landed order, when the caller numbered a batch."""
+        `seq`: its place in the landed order, when the caller numbered a batch.
+        `held`: a fenced page (fail_worker): its slot stays reserved and its op
+        not done until unfence."""
         if op.page_status[pos] != st.PENDING:
             return
-        self._reserved[op.host_pages[pos]] = False
-        self._count_page(op, pos, code, err, seq)
-        if op.record_page(pos, code, io_ns, now_ns):
-            self.retire(op, now_ns)
-
-    def _count_page(self, op: Op, pos: int, code: int, err: int, seq: int | None) -> None:
-        """One page's outcome in the books (pins, budget, order, counts, index);
-        not its slot, not its op's progress."""
+        if not held:
+            self._reserved[op.host_pages[pos]] = False
         self._pins[op.pin_slots[pos]] -= 1
         if op.kind == WRITE:
             self._write_pages -= 1
@@ -258,6 +254,10 @@ class OpLedger:
                 # the index was stale: heal it
                 self._index.discard(op.digests[pos], damaged=code in st.READ_DAMAGED)
             self._log_cause(op.kind, code, err)
+        if held:
+            op.hold_failed(pos, code, now_ns)
+        elif op.record_page(pos, code, io_ns, now_ns):
+            self.retire(op, now_ns)
 
     def apply_many(self, op: Op, pos, codes, io_ns, errs, seqs, now_ns: int) -> None:
         """`apply` for many pages of one op at once (numpy arrays; a page at most
@@ -336,14 +336,10 @@ class OpLedger:
             if not len(lost):
                 continue
             slots.append(op.host_pages[lost])
-            if fence is None:
-                for pos in lost.tolist():
-                    self.apply(op, pos, st.WORKER_DIED, 0, 0, now_ns)
-                continue
             for pos in lost.tolist():
-                self._count_page(op, pos, st.WORKER_DIED, 0, None)
-            op.hold_failed(lost, st.WORKER_DIED, now_ns)
-            self._fenced.setdefault(fence, []).append((op, lost))
+                self.apply(op, pos, st.WORKER_DIED, 0, 0, now_ns, held=fence is not None)
+            if fence is not None:
+                self._fenced.setdefault(fence, []).append((op, lost))
         return np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
 
     def unfence(self, fence, now_ns: int) -> int:
