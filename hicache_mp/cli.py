@@ -85,7 +85,11 @@ seconds, rates in GB/s = 1e9 bytes/s, lengths in tokens):
                   cgroup's throttle counts over the run) (those the backend
                   reports)
       requests    [{rid, prompt_len, output_len, cached_len, ttft_s,
-                  latency_s, itl_s [..]}]
+                  latency_s, itl_s [..], ttft_parts {part: s}}]
+      ttft_parts  mean_s {lookup, first_page, read, loop_saw, h2d,
+                  gpu_queue, prefill, between_chunks} (the mean over
+                  requests of each part of a request's TTFT; they sum to
+                  ttft_mean_s: bench.sim.ttftparts), ttft_mean_s
       batches     {prefill: n, decode: n}
     comparison    baseline ("none" or null), best (label),
                   ttft_mean_over_baseline {label: ratio},
@@ -111,6 +115,7 @@ from .bench.sim.bench import (ALL_RUNS, SLEEP0, Bench, BenchConfig, busy_machine
 from .bench.sim.plot import plot_report
 from .bench.sim.report import SCHEMA
 from .bench.sim.summary import format_comparison, format_summary, format_verdict
+from .bench.sim.ttftparts import format_parts
 from .engine.config import add_engine_flags, engine_options
 from .integrations.common.identity import model_identity
 from .integrations.sglang.layouts import RAW_LAYOUTS
@@ -494,6 +499,9 @@ def _conclude(report: dict, args) -> int:
     verdict = format_verdict(rows)
     if verdict:
         print(verdict, flush=True)
+    parts = {k: v["ttft_parts"] for k, v in report["runs"].items() if v.get("ttft_parts")}
+    if parts:   # reports made before the breakdown have none to show
+        print("\n" + format_parts(parts), flush=True)
     # The CPUs of the machine the runs were measured on (a --merge of reports
     # from a GPU box is printed on another machine).
     note = busy_machine_note(report["runs"], cpus=(report.get("machine") or {}).get("cpus_logical"))

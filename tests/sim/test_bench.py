@@ -265,6 +265,46 @@ def test_gpu_time_adds_up_and_says_what_the_gpu_waited_for(report):
     assert seen <= mp["start_s"] + 1e-9
 
 
+def test_ttft_parts_sum_to_each_requests_ttft(report):
+    """Every request's TTFT splits into parts that add up to it; the run's mean
+    parts add up to its mean TTFT. `none` spends nothing on reads or H2D; `mp`
+    spends its first request's wait on the read, which the parts must show."""
+    from hicache_mp.bench.sim.ttftparts import PART_NAMES, format_parts
+    for label, run in report["runs"].items():
+        for r in run["requests"]:
+            parts = r["ttft_parts"]
+            assert tuple(parts) == PART_NAMES, label
+            assert min(parts.values()) >= 0, (label, r["rid"], parts)
+            assert sum(parts.values()) == pytest.approx(r["ttft_s"], abs=1e-9), (label, r["rid"])
+            assert parts["prefill"] > 0, (label, r["rid"])   # every request computes a chunk
+        tp = run["ttft_parts"]
+        assert sum(tp["mean_s"].values()) == pytest.approx(run["summary"]["ttft_mean_s"], abs=1e-9)
+        assert tp["ttft_mean_s"] == run["summary"]["ttft_mean_s"]
+    none = report["runs"]["none"]["ttft_parts"]["mean_s"]
+    assert none["first_page"] == none["read"] == none["h2d"] == 0.0
+    first = report["runs"]["mp"]["requests"][0]["ttft_parts"]
+    assert first["first_page"] + first["read"] > 0
+    text = format_parts({k: v["ttft_parts"] for k, v in report["runs"].items()})
+    assert text.splitlines()[2].startswith("none ") and "between" in text
+
+
+def test_ttft_parts_hold_out_of_order_milestones_to_the_ttft():
+    """A milestone seen a few µs after the batch start (a fresh clock), one never
+    passed, and a cut-short read's last page after the first token: still parts
+    that are never negative and sum to the TTFT."""
+    from hicache_mp.bench.sim.ttftparts import request_parts
+    marks = {"admit": 1.0, "submit": 1.1, "first_page": 1.2, "landed": 9.0, "seen": 1.5,
+             "on_device": None, "first_batch": 1.4, "first_token": 2.0}
+    parts = request_parts(marks, own_prefill_s=0.3)
+    assert sum(parts.values()) == pytest.approx(1.0) and min(parts.values()) >= 0
+    assert parts["read"] == pytest.approx(0.8) and parts["loop_saw"] == 0 == parts["gpu_queue"]
+    assert parts["prefill"] == pytest.approx(0.0)   # nothing left of the span after the read
+    marks.update(landed=1.3, seen=1.35, first_batch=1.4)
+    parts = request_parts(marks, own_prefill_s=0.45)
+    assert parts["prefill"] == pytest.approx(0.45) and parts["between_chunks"] == pytest.approx(0.15)
+    assert sum(parts.values()) == pytest.approx(1.0)
+
+
 class _SlowCopies:
     """A load handle that finishes DELAY_S after the real one: a GPU's copies take
     time, the CPU fallback's are done when issued."""

@@ -52,6 +52,7 @@ class Batches:
                     self.consumed.append((q.op, q.slots, q.r.rid, q.seen_ns))
                     q.op = None
                 take = min(q.r.prompt_len - q.done_tokens, budget)
+                q.marks.setdefault("first_batch", now_s)
                 items.append((q, take))
                 budget -= take
             self.ready.sort(key=fifo_order)
@@ -77,6 +78,7 @@ class Batches:
             for q, take in batch.items:
                 before = q.done_tokens
                 q.done_tokens += take
+                q.prefill_s += batch.end_s - batch.start_s
                 self._write_back(q, before, q.done_tokens)
                 if q.done_tokens >= q.r.prompt_len:
                     q.token_s.append(now_s)   # prefill yields the first token

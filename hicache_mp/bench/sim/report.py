@@ -1,7 +1,8 @@
 """The bench's report: each run's figures, the comparison of runs, and merging reports.
 
 Owns what the JSON report says of a run (`figures`: the summary, per-op
-rates and statuses, engine counters, the GPU's account, per request), the
+rates and statuses, engine counters, the GPU's account, per request, the
+mean TTFT's parts), the
 comparison of mean TTFTs, the rows `summary.format_comparison` takes, the
 busy-machine note, the report schema, and merging reports of one workload
 made in separate calls. Must not run anything (`bench` does) or format text
@@ -16,6 +17,7 @@ import numpy as np
 from .gputime import gpu_figures
 from .records import RunResult
 from .summary import summarize
+from .ttftparts import mean_parts
 
 SCHEMA = "hicache_mp.bench/1"
 
@@ -75,8 +77,10 @@ def figures(res: RunResult, page_size: int) -> dict:
         "requests": [
             {"rid": r.rid, "prompt_len": r.prompt_len, "output_len": r.output_len,
              "cached_len": r.cached_len, "ttft_s": r.ttft_s, "latency_s": r.latency_s,
-             "itl_s": r.itl_s}
+             "itl_s": r.itl_s, "ttft_parts": r.ttft_parts}
             for r in res.requests],
+        "ttft_parts": {"mean_s": mean_parts([r.ttft_parts for r in res.requests]),
+                       "ttft_mean_s": summary["ttft_mean_s"]},
         "batches": {"prefill": sum(1 for b in res.batches if b[0] == "prefill"),
                     "decode": sum(1 for b in res.batches if b[0] == "decode")},
         "gpu": gpu,

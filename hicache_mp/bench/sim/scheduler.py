@@ -60,6 +60,7 @@ from .gputime import GpuTime
 from .records import OpRecord, RunResult, op_record  # noqa: F401 (OpRecord, RunResult: API)
 from .slots import HostSlots
 from .summary import RequestResult
+from .ttftparts import request_parts
 from .workload import ComputeModel, Request
 
 
@@ -88,7 +89,7 @@ class SchedulerConfig:
 
 class _Req:
     __slots__ = ("r", "keys", "wb_keys", "admit_s", "op", "slots", "hit_pages", "done_tokens",
-                 "token_s", "seen_ns", "dev", "h2d")
+                 "token_s", "seen_ns", "dev", "h2d", "marks", "prefill_s")
 
     def __init__(self, r: Request, page_size: int, salt: str, admit_s: float):
         self.r = r
@@ -103,6 +104,10 @@ class _Req:
         self.seen_ns = 0
         self.dev = None              # device pages holding this request's prefetched KV
         self.h2d = None              # its DeviceLoader handle
+        # Its TTFT milestones (ttftparts.MILESTONES, s from the run's start) and
+        # the charged time of the prefill batches that carried it.
+        self.marks = {"admit": admit_s}
+        self.prefill_s = 0.0
 
 
 class Scheduler(Batches):
@@ -140,7 +145,7 @@ class Scheduler(Batches):
         batch: Batch | None = None
         yield_s = cfg.yield_ms / 1000.0
         iters = reported = 0
-        t0 = time.perf_counter_ns()
+        t0 = self.t0_ns = time.perf_counter_ns()
         now_s = last_report_s = 0.0
         while len(self.finished) < total:
             iters += 1
@@ -169,6 +174,7 @@ class Scheduler(Batches):
                     break
                 lookup.popleft()
                 q.slots = slots
+                q.marks["submit"] = now_s
                 if hit:
                     q.op = eng.prefetch(q.keys[:hit], slots, policy=cfg.policy,
                                         timeout_s=cfg.timeout_s)
@@ -275,7 +281,8 @@ class Scheduler(Batches):
         for q in self.h2d_pending:
             if q.h2d.done:
                 # A fresh clock: this loop's poll() may have finished the op and its copies.
-                self.h2d_seen[q.h2d.op.id] = time.perf_counter_ns()
+                seen = self.h2d_seen[q.h2d.op.id] = time.perf_counter_ns()
+                q.marks["on_device"] = (seen - self.t0_ns) / 1e9
             else:
                 still.append(q)
         self.h2d_pending = still
@@ -288,6 +295,11 @@ class Scheduler(Batches):
         q.hit_pages = op.completed_pages
         q.done_tokens = q.hit_pages * self.cfg.page_size
         q.seen_ns = now_ns
+        t0 = self.t0_ns
+        # A cut-short prefetch's read ended, for its request, when it was cut.
+        q.marks.update(submit=(op.submit_ns - t0) / 1e9,
+                       first_page=(op.first_ns - t0) / 1e9 if op.first_ns else None,
+                       landed=((op.done_ns or now_ns) - t0) / 1e9, seen=(now_ns - t0) / 1e9)
         if q.h2d is not None:
             self.h2d_pending.append(q)
         if self.cfg.verify and self.pool is not None and q.hit_pages:
@@ -330,4 +342,6 @@ class Scheduler(Batches):
                              cached_len=q.hit_pages * self.cfg.page_size,
                              ttft_s=ts[0] - q.admit_s,
                              itl_s=[b - a for a, b in zip(ts, ts[1:])],
-                             latency_s=ts[-1] - q.admit_s)
+                             latency_s=ts[-1] - q.admit_s,
+                             ttft_parts=request_parts({**q.marks, "first_token": ts[0]},
+                                                      q.prefill_s))

@@ -41,6 +41,7 @@ class RequestResult:
     ttft_s: float
     itl_s: list[float] = field(default_factory=list)
     latency_s: float = 0.0
+    ttft_parts: dict | None = None   # ttftparts.PART_NAMES -> s; they sum to ttft_s
 
 
 EXTRA_LABELS = {
