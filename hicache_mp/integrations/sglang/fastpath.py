@@ -6,7 +6,10 @@ method it asks backends (`hit_query_at_once`) on `HiCacheStorage` (see that
 module for what changes and why) and returns what it changed; `uninstall()` puts SGLang's
 own back, and refuses (`FastPathInUse`, nothing changed) while a cache
 controller still runs storage threads started under the fast path: their
-loops call the fast path's methods and names, which uninstall() removes. `patched_source()` writes the same methods into SGLang's source
+loops call the fast path's methods and names, which uninstall() removes. `install_through_hooks()` is the same change made through SGLang's plugin
+framework (its `HookRegistry`), which is how the `hicache_mp_fastpath` plugin
+(hicache_mp_sglang_plugin) installs it in every process SGLang loads plugins
+in. `patched_source()` writes the same methods into SGLang's source
 text, which is how the upstream patch in upstream/ is made
 (scripts/sglang_fastpath_patch.py) and checked (tests/integrations/).
 
@@ -27,6 +30,7 @@ import gc
 import hashlib
 import importlib
 import inspect
+import logging
 import os
 import textwrap
 import threading
@@ -36,6 +40,9 @@ import weakref
 from . import fastpath_methods
 
 SGLANG_VERSION = "0.5.23"
+# The opt-in the plugin reads (decision 103); hicache_mp_sglang_plugin holds the same name,
+# since that module may import nothing of hicache_mp's before it is set.
+OPT_IN = "HICACHE_MP_FASTPATH"
 
 # SGLang 0.5.23's own source of every method the fast path replaces (sha256,
 # first 16 hex digits): an 0.5.23 whose methods differ (a vendor build, a
@@ -90,7 +97,7 @@ def _check_version(version: str | None = None) -> str:
         raise FastPathVersionError(
             f"hicache_mp's SGLang storage fast path is built and tested for SGLang "
             f"{SGLANG_VERSION} only; this is SGLang {version}. Run SGLang {SGLANG_VERSION}, "
-            f"or start the server without it (python -m sglang.launch_server ...).")
+            f"or start the server without the fast path (no {OPT_IN}=1).")
     return version
 
 
@@ -124,18 +131,11 @@ def installed() -> bool:
     return bool(_INSTALLED)
 
 
-def install(*, version: str | None = None) -> list[str]:
-    """Apply the fast path to SGLang's classes in this process; returns what
-    changed ("replaced module.Class.method" / "added ..."). Idempotent: a
-    second call changes nothing and returns []. `version` stands for
-    sglang.__version__ (tests fake it to see the refusal).
-
-    Call it before the server builds its cache controller: a controller whose
-    threads already run keeps its sync thread, which then only idles."""
+def _plan(version: str | None) -> list[tuple]:
+    """What install() would change, as (module, class or module, name, fn, SGLang's own or
+    None); FastPathVersionError, with nothing changed, for another SGLang or an 0.5.23
+    whose replaced methods are not the stock ones."""
     _check_version(version)
-    if _INSTALLED:
-        return []
-    changed = []
     plan = []
     for mod_name, cls, _before in fastpath_methods.CLASSES:
         module = importlib.import_module(mod_name)
@@ -159,6 +159,13 @@ def install(*, version: str | None = None) -> list[str]:
                     f"patch already applied, which makes install() unnecessary); "
                     f"nothing was changed")
             plan.append((module, cls, name, fn, old))
+    return plan
+
+
+def _apply(plan: list[tuple], replace) -> list[str]:
+    """Put `plan` in: names SGLang lacks are set here, and each of SGLang's own
+    methods is handed to `replace(cls, name, fn)`."""
+    changed = []
     _THREADS_BEFORE.clear()
     _THREADS_BEFORE.update(threading.enumerate())
     for module, cls, name, fn, old in plan:
@@ -167,11 +174,66 @@ def install(*, version: str | None = None) -> list[str]:
             _INSTALLED.append((module, name, None))
             changed.append(f"added {module.__name__}.{name}")
             continue
-        setattr(cls, name, _bound_to(fn, module, cls))
+        bound = _bound_to(fn, module, cls)
+        if old is None:
+            setattr(cls, name, bound)
+        else:
+            replace(cls, name, bound)
         _INSTALLED.append((cls, name, old))
         changed.append(f"{'replaced' if old is not None else 'added'} "
                        f"{module.__name__}.{cls.__name__}.{name}")
     return changed
+
+
+def install(*, version: str | None = None) -> list[str]:
+    """Apply the fast path to SGLang's classes in this process; returns what
+    changed ("replaced module.Class.method" / "added ..."). Idempotent: a
+    second call changes nothing and returns []. `version` stands for
+    sglang.__version__ (tests fake it to see the refusal).
+
+    Call it before the server builds its cache controller: a controller whose
+    threads already run keeps its sync thread, which then only idles."""
+    _check_version(version)
+    if _INSTALLED:
+        return []
+    return _apply(_plan(version), setattr)
+
+
+def install_through_hooks(*, version: str | None = None) -> list[str]:
+    """install() made through SGLang's plugin framework, for a general plugin
+    to call inside `load_plugins()`: the same checks (FastPathVersionError,
+    nothing changed), and each method SGLang has is registered as a REPLACE
+    hook with `HookRegistry`, which SGLang applies when its plugins have run
+    and logs with the plugin's and distribution's names. A hook can only wrap
+    what exists, so the names SGLang lacks (the new methods and classes) are
+    put in here. An AFTER hook on `HiCacheController.__init__` logs, in the
+    scheduler's own log, each cache controller built with the fast path.
+
+    Idempotent like install(); uninstall() undoes it too (it puts SGLang's
+    own methods back over the hooks' wrappers)."""
+    _check_version(version)
+    if _INSTALLED:
+        return []
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    plan = _plan(version)
+
+    def replace(cls, name, fn):
+        HookRegistry.register(f"{cls.__module__}.{cls.__qualname__}.{name}", fn,
+                              HookType.REPLACE)
+    changed = _apply(plan, replace)
+    controller = plan[0][0].HiCacheController   # CLASSES go first: cache_controller
+    _INSTALLED.append((controller, "__init__", vars(controller)["__init__"]))
+    HookRegistry.register(f"{controller.__module__}.HiCacheController.__init__", _log_built,
+                          HookType.AFTER)
+    return changed
+
+
+def _log_built(_result, controller, *args, **kwargs) -> None:
+    # At plugin time SGLang has not configured logging yet (its scheduler
+    # process loads plugins first), so this is the line a user sees.
+    logging.getLogger(__name__).info(
+        "hicache_mp: %s built with the SGLang storage fast path (%s=1)",
+        type(controller).__name__, OPT_IN)
 
 
 def running_under_fast_path() -> list[str]:
