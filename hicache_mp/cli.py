@@ -261,17 +261,21 @@ def build_parser() -> argparse.ArgumentParser:
 def _sglang_serve_parser(sub) -> argparse.ArgumentParser:
     p = _command(sub, "sglang-serve", cmd_sglang_serve)
     p.add_argument("server_args", nargs=argparse.REMAINDER, metavar="-- LAUNCH_SERVER_ARGS",
-                   help="everything after -- goes to SGLang's launch_server as is")
+                   help="everything after -- goes to python -m sglang.launch_server as is")
     return p
 
 
 def cmd_sglang_serve(args, argv=None) -> int:
-    """Start SGLang 0.5.23's server with the HiCache storage fast path installed
+    """Run SGLang's own launcher with the HiCache storage fast path opted in
 
-    Installs hicache_mp.integrations.sglang.fastpath in this process and in
-    every scheduler process SGLang starts, then runs SGLang's HTTP server as
-    `python -m sglang.launch_server` would, with the arguments after `--`.
-    Any other SGLang version is refused. Example:
+    An alias of `HICACHE_MP_FASTPATH=1 python -m sglang.launch_server
+    <args after -->`: the process is replaced by SGLang's launcher, and the
+    hicache_mp_fastpath plugin that pip installed with hicache_mp installs the
+    fast path in every process SGLang loads plugins in, whatever its front end
+    (HTTP, gRPC, Ray, encoder-only). SGLang 0.5.23 only: with any other, the
+    plugin logs one error and the server runs on SGLang's stock path. Exits 2
+    without starting anything where SGLang would not load the plugin (not
+    installed with pip, or left out by SGLANG_PLUGINS). Example:
 
         hicache-mp sglang-serve -- --model-path Qwen/Qwen3-8B \\
             --enable-hierarchical-cache --hicache-storage-backend file
