@@ -134,3 +134,23 @@ class PageGeometry:
 
     def with_layout(self, layout: str) -> "PageGeometry":
         return PageGeometry(**{**self.to_dict(), "layout": layout})
+
+    # --- layer parts (a page file read in several pieces, decision 101) ------
+    def layer_part(self, parts: int) -> "PageGeometry":
+        """The geometry of one of `parts` equal layer groups of this page: what
+        a host slot holds when a page file is read a layer group at a time."""
+        if not isinstance(parts, int) or isinstance(parts, bool) or parts <= 0:
+            raise ValueError(f"parts must be a positive int, got {parts!r}")
+        if self.num_layers % parts:
+            raise ValueError(f"{self.num_layers} layers do not split into {parts} equal "
+                             f"layer groups; choose a divisor of {self.num_layers}")
+        return PageGeometry(**{**self.to_dict(), "num_layers": self.num_layers // parts})
+
+    def part_file_ranges(self, parts: int, part: int) -> list[tuple[int, int]]:
+        """(payload offset, length) of layer group `part` of `parts` in the page's
+        canonical order [kv][layer]...: one run per kv (K then V; one for MLA)."""
+        group = self.layer_part(parts).num_layers
+        if not 0 <= part < parts:
+            raise ValueError(f"part {part} out of range [0, {parts})")
+        return [((kv * self.num_layers + part * group) * self.run_bytes, group * self.run_bytes)
+                for kv in range(self.kv_count)]

@@ -13,7 +13,7 @@ import os
 from workers import directio
 
 
-def preadv_full(fd: int, iovecs: list, total: int, direct: bool = False) -> int:
+def preadv_full(fd: int, iovecs: list, total: int, direct: bool = False, offset: int = 0) -> int:
     """preadv until `total` bytes or EOF (network filesystems may return short).
 
     With O_DIRECT a continuation must start on a block boundary; after an
@@ -21,13 +21,13 @@ def preadv_full(fd: int, iovecs: list, total: int, direct: bool = False) -> int:
     in practice) O_DIRECT is cleared on the descriptor and the rest is read
     buffered, rather than failing with EINVAL.
     """
-    got = os.preadv(fd, iovecs, 0)
+    got = os.preadv(fd, iovecs, offset)
     while 0 < got < total:
         if direct and not directio.aligned(got):
             clear_direct(fd)
             direct = False
         rest = skip(iovecs, got)
-        n = os.preadv(fd, rest, got)
+        n = os.preadv(fd, rest, offset + got)
         if n == 0:
             break
         got += n
@@ -84,3 +84,19 @@ def skip(iovecs: list, nbytes: int) -> list:
         out.append(mv[nbytes:])
         nbytes = 0
     return out
+
+
+def split(iovecs: list, nbytes: int) -> tuple[list, list]:
+    """The iovecs cut after `nbytes` bytes: (the first `nbytes`, the rest); an
+    iovec crossing the cut is split into memoryview slices."""
+    head, room = [], nbytes
+    for i, v in enumerate(iovecs):
+        if room == 0:
+            return head, list(iovecs[i:])
+        mv = memoryview(v)
+        if len(mv) <= room:
+            head.append(mv)
+            room -= len(mv)
+            continue
+        return head + [mv[:room]], [mv[room:]] + list(iovecs[i + 1:])
+    return head, []

@@ -56,8 +56,8 @@ import os
 import stat
 import time
 
-from workers import directio, naming, pagefile, status, tmpfiles
-from workers.fileio import pieces, preadv_full, pwritev_full
+from workers import directio, fileio, naming, pagefile, status, tmpfiles
+from workers.fileio import clear_direct, pieces, preadv_full, pwritev_full
 from workers.store import DIR_MODE, Page, PageStore, Scan, StoreIO, free_bytes
 from workers.timing import TOUCH_INTERVAL_S
 
@@ -122,7 +122,7 @@ class FileStore(PageStore):
             os.close(leaf)
 
     # --- reads ------------------------------------------------------------------
-    def read(self, digest: bytes, iovecs, bufs) -> tuple[int, int]:
+    def read(self, digest: bytes, iovecs, bufs, ranges=None) -> tuple[int, int]:
         h = digest.hex()
         try:
             leaf = self._leaf(h, create=False)
@@ -140,7 +140,8 @@ class FileStore(PageStore):
                 return (status.MISS if exc.errno == errno.ESTALE else status.UNREADABLE), exc.errno or 0
             try:
                 try:
-                    mode = os.fstat(fd).st_mode
+                    st_ = os.fstat(fd)
+                    mode, size = st_.st_mode, st_.st_size
                 except OSError as exc:
                     # a network filesystem (FUSE: JuiceFS) may fail fstat of a file
                     # replaced since the open (ENOENT): gone, as a failed read says
@@ -151,6 +152,8 @@ class FileStore(PageStore):
                     # block (a FIFO, a terminal) or copy a device's bytes. Not moved
                     # aside: an operator's business, as other unreadable files are.
                     return status.UNREADABLE, _not_a_file_errno(mode)
+                if ranges is not None:
+                    return self._read_ranges(fd, digest, iovecs, bufs, ranges, size)
                 want = self.file_bytes
                 try:
                     got = preadv_full(fd, [bufs.header, *iovecs, bufs.overflow],
@@ -167,6 +170,36 @@ class FileStore(PageStore):
                 os.close(fd)
         finally:
             os.close(leaf)
+
+    def _read_ranges(self, fd: int, digest: bytes, iovecs, bufs, ranges, size: int) -> tuple[int, int]:
+        """A layer group of the page (decision 101): its header, checked as a
+        whole read checks it, then each payload run into `iovecs` in order.
+        The file's length stands in for the payload's (a whole read sees a
+        short or long file; this one reads only part of it), and a flagged
+        checksum cannot be verified from part of the payload: that part is
+        trusted as an unflagged page is (the engine refuses require_checksum
+        with layer parts). The stamp and the quarantine are a whole read's."""
+        try:
+            if self.io.direct:
+                clear_direct(fd)  # runs start at any 4096-aligned header offset, lengths vary
+            if preadv_full(fd, [bufs.header], pagefile.HEADER_SIZE) < pagefile.HEADER_SIZE:
+                return status.CORRUPT, 0
+            code, _crc = pagefile.check_header(bufs.header, self.io.payload_len,
+                                               self.io.geometry_fp, digest)
+            if code != status.OK:
+                return code, 0
+            if size != self.file_bytes:
+                return status.CORRUPT, 0
+            views = list(iovecs)
+            for offset, length in ranges:
+                dest, views = fileio.split(views, length)
+                got = preadv_full(fd, dest, length, offset=pagefile.HEADER_SIZE + offset)
+                if got != length:
+                    return status.CORRUPT, 0  # shortened under us since the fstat
+        except OSError as exc:
+            return (status.MISS if exc.errno in _GONE else status.UNREADABLE), exc.errno or 0
+        self._stamp(fd, digest)
+        return status.OK, 0
 
     def _check(self, got: int, want: int, digest: bytes, iovecs, header) -> int:
         if got < pagefile.HEADER_SIZE:
@@ -348,6 +381,39 @@ class FileStore(PageStore):
                         temps.append((entry.name, st.st_size))
                     total += st.st_size
         return Scan(pages, total, reaped, tuple(temps))
+
+    def walk(self, reap_tmp: bool = False):
+        """Every page file's digest, one leaf directory at a time: yields
+        (digests, temp files of dead writers removed there). No stat per page
+        (the entry's type comes with the listing on local filesystems): what
+        the index needs is names, and a walk of a million pages must cost a
+        listing, not a million metadata round trips. Temp files are stat'ed
+        only with `reap_tmp` (their age decides, workers.tmpfiles)."""
+        now = time.time()
+        for sub in naming.fanout_dirs(self.root):
+            digests, reaped = [], 0
+            try:
+                it = os.scandir(sub)
+            except OSError:
+                continue
+            with it:
+                for entry in it:
+                    name = entry.name
+                    digest = naming.digest_from_name(name)
+                    try:
+                        if digest is not None:
+                            if entry.is_file(follow_symlinks=False):
+                                digests.append(digest)
+                        elif reap_tmp and tmpfiles.is_tmp(name) and \
+                                entry.is_file(follow_symlinks=False) and \
+                                tmpfiles.stale(name, entry.stat(follow_symlinks=False).st_mtime,
+                                               now):
+                            os.unlink(entry.path)
+                            reaped += 1
+                    except OSError:
+                        continue  # removed under us
+            if digests or reaped:
+                yield digests, reaped
 
     def free_bytes(self, digest: bytes | None = None) -> int | None:
         return free_bytes(self.root)

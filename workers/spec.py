@@ -23,6 +23,8 @@ class WorkerSpec:
     pool_fd: int | None             # an fd-mapped pool (SGLang's memfd), passed at this number
     pool_parts: tuple | None        # or a pool of several regions: (fd, offset, stride) per
                                     # part (shm.partpool), each fd passed at its number
+    read_parts: int                 # >1: a slot holds one layer group of a page (decision 101);
+                                    # a READ record's io_ns names the group
     populate: bool
     verify_checksum: bool
     write_checksum: bool

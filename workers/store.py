@@ -17,6 +17,8 @@ The calls, all synchronous and safe from several threads of one process:
     touch(digest)                                     mark it just used (LRU)
     exists(digest) -> bool                            one lookup, no walk
     scan(reap_tmp=False) -> Scan                      every page: digest, size, last access
+    walk(reap_tmp=False) -> iter of (digests, reaped) every page's digest, a directory at a
+                                                      time, with no stat per page
     free_bytes(digest=None) -> int | None             room left where that page goes
     parts() -> [PageStore]                            the independently full/failing pieces
     roots                                             directories the store lives in
@@ -96,7 +98,9 @@ class StoreDirError(OSError, ValueError):
 class PageStore:
     roots: list
 
-    def read(self, digest: bytes, iovecs, bufs) -> tuple[int, int]:
+    def read(self, digest: bytes, iovecs, bufs, ranges=None) -> tuple[int, int]:
+        """The page into `iovecs`: the whole payload, or with `ranges` (payload
+        offset, length) only those runs, in order (a layer group, decision 101)."""
         raise NotImplementedError
 
     def write(self, digest: bytes, iovecs, bufs) -> tuple[int, int]:
@@ -112,6 +116,9 @@ class PageStore:
         raise NotImplementedError
 
     def scan(self, reap_tmp: bool = False) -> Scan:
+        raise NotImplementedError
+
+    def walk(self, reap_tmp: bool = False):
         raise NotImplementedError
 
     def free_bytes(self, digest: bytes | None = None) -> int | None:

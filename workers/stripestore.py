@@ -28,8 +28,8 @@ class StripedStore(PageStore):
         # The last 8 bytes: the fan-out names directories by the first two.
         return self.stores[int.from_bytes(digest[-8:], "little") % len(self.stores)]
 
-    def read(self, digest, iovecs, bufs):
-        return self.part(digest).read(digest, iovecs, bufs)
+    def read(self, digest, iovecs, bufs, ranges=None):
+        return self.part(digest).read(digest, iovecs, bufs, ranges)
 
     def write(self, digest, iovecs, bufs):
         return self.part(digest).write(digest, iovecs, bufs)
@@ -55,6 +55,10 @@ class StripedStore(PageStore):
             total += one.total_bytes
             reaped += one.stale_removed
         return Scan(pages, total, reaped, tuple(temps))
+
+    def walk(self, reap_tmp: bool = False):
+        for store in self.stores:
+            yield from store.walk(reap_tmp)
 
     def free_bytes(self, digest: bytes | None = None) -> int | None:
         if digest is not None:

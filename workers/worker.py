@@ -85,6 +85,13 @@ class Worker:
         self.parent = ParentWatch(spec.parent_pid)
         self.geometry = PageGeometry.from_dict(spec.geometry)
         self.payload_len = self.geometry.page_bytes
+        # Layer parts (decision 101): a slot holds one layer group of a page; the
+        # file is still the whole page, of which a READ reads the group's runs.
+        parts = spec.read_parts
+        self.slot_geometry = self.geometry.layer_part(parts) if parts > 1 else self.geometry
+        self.part_ranges = [self.geometry.part_file_ranges(parts, g) for g in range(parts)] \
+            if parts > 1 else None
+        self.read_bytes = self.slot_geometry.page_bytes
         self.direct = spec.direct_io
         self.store = open_store(spec.storage_dir, StoreIO(
             payload_len=self.payload_len, geometry_fp=self.geometry.fingerprint(),
@@ -99,7 +106,7 @@ class Worker:
             self.pool = PartPool(spec.pool_parts, spec.pool_pages, name=spec.pool_name,
                                  populate=spec.populate)
         else:
-            self.pool = HostPool(self.geometry, spec.pool_pages, name=spec.pool_name,
+            self.pool = HostPool(self.slot_geometry, spec.pool_pages, name=spec.pool_name,
                                  create=False, populate=spec.populate, fd=spec.pool_fd)
         self.read_ring = Ring(spec.read_ring, spec.ring_capacity, create=False)
         self.write_ring = Ring(spec.write_ring, spec.ring_capacity, create=False)
@@ -196,7 +203,11 @@ class Worker:
         digest = rec["digest"].tobytes()
         iovecs = self.pool.page_iovecs(int(rec["host_page"]))
         if rec["kind"] == KIND_READ:
-            return self.store.read(digest, iovecs, lane)
+            if self.part_ranges is None:
+                return self.store.read(digest, iovecs, lane)
+            return self.store.read(digest, iovecs, lane, self.part_ranges[int(rec["io_ns"])])
+        if self.part_ranges is not None:  # the engine refuses backups first (EngineConfig.read_parts)
+            return status.UNREADABLE, errno.EINVAL
         if self.capped:
             refused = self._reserve(digest, int(rec["op_id"]), lane)
             if refused:
@@ -211,7 +222,8 @@ class Worker:
     def complete(self, rec, lane: Lane, code: int, err: int, io_ns: int) -> None:
         """Report one record: stats, then its completion, then the done semaphore."""
         probe = rec["kind"] == KIND_PROBE
-        nbytes = self.payload_len if code == status.OK and not probe else 0
+        nbytes = (self.read_bytes if rec["kind"] == KIND_READ else self.payload_len) \
+            if code == status.OK and not probe else 0
         out = lane.out
         out[0] = rec
         out["status"][0] = code

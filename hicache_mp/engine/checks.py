@@ -122,3 +122,26 @@ def check_pages(host_pages, nkeys: int, limit: int) -> np.ndarray:
         if gilkeep.repeats(pages):
             raise ValueError("host pages repeat within one op")
     return pages
+
+
+def check_parts(parts, nkeys: int, read_parts: int) -> np.ndarray | None:
+    """The layer group each position of a read reads (decision 101), as uint64
+    (the records' io_ns on submission): required with `read_parts` > 1, each
+    in [0, read_parts); refused on an engine that reads whole pages."""
+    if read_parts == 1:
+        if parts is not None:
+            raise ValueError("parts= needs an engine built with read_parts > 1")
+        return None
+    if parts is None:
+        raise ValueError(f"this engine reads pages in {read_parts} layer groups: "
+                         "prefetch(keys, host_pages, parts=[group per position])")
+    try:
+        arr = np.asarray(parts)
+    except Exception as exc:
+        raise ValueError(f"parts must be a sequence of ints: {exc}") from None
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu") or len(arr) != nkeys:
+        raise ValueError(f"parts must be {nkeys} ints, one per key, got {arr.dtype} {arr.shape}")
+    listed = arr.tolist()  # min/max in Python: numpy's reductions may let the GIL go
+    if listed and (min(listed) < 0 or max(listed) >= read_parts):
+        raise ValueError(f"parts must lie in [0, {read_parts}), got {min(listed)}..{max(listed)}")
+    return arr.astype(np.uint64)

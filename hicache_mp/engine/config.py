@@ -174,6 +174,11 @@ class EngineConfig:
                                        "often", sglang=True, lo=0)
     worker_start_timeout_s: float = setting(60.0, "how long a worker may take to start", lo=0,
                                             lo_open=True)
+    read_parts: int = setting(
+        1, "read each page file in this many equal layer groups, each into a host slot of its "
+        "own, so the first layers can go to the GPU while later ones are still read (SGLang's "
+        "direct L3 linker, decision 101). Must divide the model's layers; such an engine only "
+        "reads (backups go through an engine with 1)", lo=1, hi=4096, metavar="N")
     stall_timeout_s: float = setting(30.0, STALL_HELP, flag="--hicache-mp-stall-timeout",
                                      sglang=True, lo=0, lo_open=True, metavar="S")
 
@@ -185,6 +190,10 @@ class EngineConfig:
         for f in settings(type(self)):
             setattr(self, f.name, parse_value(f, getattr(self, f.name)))
         self.storage_dir = normalize_dirs(self.storage_dir)  # one directory, or a list: striped
+        if self.read_parts > 1 and self.require_checksum:
+            # a layer group's bytes cannot be checked against the whole payload's crc32
+            raise ValueError("read_parts > 1 cannot verify payload checksums: set "
+                             "require_checksum=False, or read_parts=1 to read whole pages")
 
     def resolved_workers(self) -> int:
         return self.num_workers or auto_workers()

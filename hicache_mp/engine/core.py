@@ -39,7 +39,7 @@ from workers import status as st
 from workers.stores import open_store
 from workers.timing import ABANDON_GRACE_S, WAIT_SLICE_S
 
-from .checks import check_pages, check_pool_size, check_timeout
+from .checks import check_pages, check_parts, check_pool_size, check_timeout
 from .closing import Closing, EngineClosed, EngineForked
 from .config import POLICIES, EngineConfig
 from .discovery import Discovery
@@ -60,7 +60,10 @@ class EngineCore(IndexLookups, Closing, Ownership):
         the engine (hicache_mp.engine.iobackend), last, once the books exist."""
         if not isinstance(geometry, PageGeometry):
             raise ValueError(f"geometry must be a PageGeometry, got {type(geometry).__name__}")
-        check_pool_size(geometry.pool_bytes(config.host_pool_pages))
+        # A slot holds a page, or one layer group of one with read_parts (decision
+        # 101): the store's files, names and headers are the whole page's alike.
+        self.slot_geometry = geometry.layer_part(config.read_parts)
+        check_pool_size(self.slot_geometry.pool_bytes(config.host_pool_pages))
         self.config = config
         self.geometry = geometry
         self.namespace = naming.namespace(config.model_name, geometry.fingerprint(),
@@ -121,11 +124,13 @@ class EngineCore(IndexLookups, Closing, Ownership):
         return self._io.pids()
 
     def prefetch(self, keys, host_pages, *, policy: str | None = None,
-                 timeout_s: float | None = None) -> Op:
+                 timeout_s: float | None = None, parts=None) -> Op:
         """Start reading pages for `keys` into `host_pages`; returns at once.
-        `timeout_s` (the `timeout` policy's deadline): seconds, or None / inf for none."""
+        `timeout_s` (the `timeout` policy's deadline): seconds, or None / inf for none.
+        `parts`: with `read_parts` > 1 (decision 101), the layer group each
+        position reads (a key may come once per group, each into its own slot)."""
         try:
-            op = self._start(READ, keys, host_pages, policy, timeout_s)
+            op = self._start(READ, keys, host_pages, policy, timeout_s, parts)
         except Exception as exc:
             raise self._closed_during("prefetch()", exc)
         if self._closed:  # closed while it was handed out: its pages end cancelled
@@ -134,6 +139,10 @@ class EngineCore(IndexLookups, Closing, Ownership):
 
     def backup(self, keys, host_pages) -> Op:
         """Start writing `host_pages` to the store under `keys` (write-through)."""
+        if self.config.read_parts > 1:
+            raise ValueError(f"this engine reads pages in {self.config.read_parts} layer groups "
+                             "and cannot write whole pages: back up through an engine with "
+                             "read_parts=1 over the same store")
         try:
             op = self._start(WRITE, keys, host_pages, "wait_complete", None)
         except Exception as exc:
@@ -285,7 +294,7 @@ class EngineCore(IndexLookups, Closing, Ownership):
             return seq, fn()
 
     # --- shared bookkeeping -------------------------------------------------
-    def _start(self, kind, keys, host_pages, policy, timeout_s) -> Op:
+    def _start(self, kind, keys, host_pages, policy, timeout_s, parts=None) -> Op:
         if self._forked:
             self._refuse_in_child()
         if self._closed or self._closing:
@@ -300,6 +309,7 @@ class EngineCore(IndexLookups, Closing, Ownership):
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         keys = list(keys)
         pages = check_pages(host_pages, len(keys), self.config.host_pool_pages)
+        parts = check_parts(parts, len(keys), self.config.read_parts)
         ns = self.namespace
         digests = [naming.key_digest(k, ns) for k in keys]  # raises ValueError on a bad key
         with self._lock:
@@ -308,9 +318,10 @@ class EngineCore(IndexLookups, Closing, Ownership):
             self._io.check_accepting()
             ledger = self._ledger
             ledger.check_free(pages)
-            op = Op(ledger.new_id(), kind, keys, pages, digests, self.geometry.page_bytes,
+            op = Op(ledger.new_id(), kind, keys, pages, digests, self.slot_geometry.page_bytes,
                     policy or self.config.prefetch_policy,
                     self.config.prefetch_timeout_s if timeout_s is None else timeout_s)
+            op.parts = parts
             if op.num_pages == 0:
                 return op
             op.digest_bytes = b"".join(digests)  # the pins' and the records' (striping) source

@@ -23,7 +23,7 @@ class Op:
                  "worker_of", "policy", "deadline", "_lead", "pages_left", "_cancelled",
                  "_frozen_lead", "submit_ns", "done_ns", "first_ns", "io_ns", "ok_pages",
                  "page_bytes", "landed_ns", "device_event", "pin_slots", "pins_unique",
-                 "digest_bytes", "landed_seq")
+                 "digest_bytes", "landed_seq", "parts")
 
     def __init__(self, op_id: int, kind: str, keys, host_pages: np.ndarray, digests: list,
                  page_bytes: int, policy: str, timeout_s: float):
@@ -56,6 +56,7 @@ class Op:
         self.pins_unique = False  # no pin slot twice in the op: so in no part of it either
         self.digest_bytes = b""  # the digests joined, set by the engine at submit
         self.device_event = None
+        self.parts = None  # with read_parts: the layer group per position (engine.checks.check_parts)
 
     # --- fed by the engine --------------------------------------------------
     # The ledger (engine/ledger.py) is the one writer of an op's progress.

@@ -81,7 +81,8 @@ def _room_error(config: EngineConfig, geometry: PageGeometry, workers: int,
     """The error of a /dev/shm too small for this engine (None if it fits): the
     parts, the one that does not fit, and the fixes for those that do not.
     `after`: a segment whose allocation failed although the check had passed."""
-    pool = 0 if shared_pool else geometry.pool_bytes(config.host_pool_pages)
+    slot = geometry.layer_part(config.read_parts)  # a layer group per slot (decision 101)
+    pool = 0 if shared_pool else slot.pool_bytes(config.host_pool_pages)
     parts = shm_parts(pool, workers, ring_capacity, config.capacity_limited)
     needed, free = sum(n for _, _, n in parts), shm_free_bytes()
     if free is None or (needed <= free and not after):
@@ -91,7 +92,7 @@ def _room_error(config: EngineConfig, geometry: PageGeometry, workers: int,
     fixes = [SHM_SIZE_FIX]
     if "pool" in err.short or (after and pool):
         fixes.append(f"lower host_pool_pages ({config.host_pool_pages} pages of "
-                     f"{geometry.page_bytes / 2**20:.2f} MiB now)")
+                     f"{slot.page_bytes / 2**20:.2f} MiB now)")
     if ("rings" in err.short and "pool" not in err.short) or after:
         count = f"{workers} now" if config.num_workers else f"auto gave {workers}"
         fixes.append(f"fewer workers (num_workers, --hicache-mp-workers: {count}) or a lower "
@@ -162,6 +163,8 @@ def build(config: EngineConfig, geometry: PageGeometry, roots, *, pool_fd: int |
     store's directories (direct I/O is decided on their filesystem)."""
     if pool_fd is not None and pool_parts is not None:
         raise ValueError("give pool_fd or pool_parts, not both")
+    if config.read_parts > 1 and pool_parts is not None:
+        raise ValueError("read_parts > 1 needs a pool of its own or a pool_fd, not pool_parts")
     parts = None
     if pool_parts is not None:
         parts = [Part(*(int(x) for x in p)) for p in pool_parts]
@@ -229,7 +232,7 @@ def _build(res: Resources, config: EngineConfig, geometry: PageGeometry, pool_fd
     if pool_fd is not None:
         own_fd = _OwnedFd(os.dup(pool_fd))
         segments.append(own_fd)  # closed after what maps it: segments close in reverse
-        need = geometry.pool_bytes(config.host_pool_pages)
+        need = geometry.layer_part(config.read_parts).pool_bytes(config.host_pool_pages)
         have = os.fstat(own_fd.fd).st_size
         if have < need:
             raise ValueError(f"pool_fd holds {have} bytes; the geometry needs {need} "
@@ -244,7 +247,8 @@ def _build(res: Resources, config: EngineConfig, geometry: PageGeometry, pool_fd
         res.host_pool = PartPool(own_parts, config.host_pool_pages, name=res.tag + ".pool",
                                  populate=config.populate, closed_error=EngineClosed)
     else:
-        res.host_pool = HostPool(geometry, config.host_pool_pages, name=res.tag + ".pool",
+        res.host_pool = HostPool(geometry.layer_part(config.read_parts), config.host_pool_pages,
+                                 name=res.tag + ".pool",
                                  create=own_fd is None, populate=config.populate,
                                  fd=None if own_fd is None else own_fd.fd,
                                  closed_error=EngineClosed)
@@ -279,6 +283,7 @@ def _build(res: Resources, config: EngineConfig, geometry: PageGeometry, pool_fd
         pool_fd=None if own_fd is None else own_fd.fd,
         pool_parts=None if own_parts is None else
         tuple((p.fd, p.offset, p.stride) for p in own_parts),
+        read_parts=config.read_parts,
         populate=config.populate,
         verify_checksum=config.verify_checksum, write_checksum=config.write_checksum,
         fsync=config.fsync, require_checksum=config.require_checksum,

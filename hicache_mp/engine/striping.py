@@ -57,6 +57,8 @@ class Striping:
         recs["op_id"] = op.id
         gilkeep.assign(recs["host_page"], op.host_pages)
         gilkeep.assign(recs["page_pos"], gilkeep.iota(n))
+        if op.parts is not None:  # a READ's io_ns names its layer group (decision 101)
+            gilkeep.assign(recs["io_ns"], op.parts)
         # Ready workers only; with none ready (all being replaced), pages wait in
         # the replacements' rings (workers.pool).
         workers = self.pool.usable() or self.pool.starting
