@@ -491,5 +491,10 @@ def test_bench_smoke(tmp_path, monkeypatch):
         assert r["load"]["wrong_bytes"] == 0
         assert r["load"]["bytes_verified"] == 16 * (64 << 10), r
     assert any(k.startswith("load busy warm: hicache_mp / best fs Python") for k in res["ratios"])
+    # The loop's floor beside the busy warm load: plain readers copied every row
+    # the tier stored, and the loop's rate beside them is the engine's divisor.
+    floor = [r for r in res["rows"] if r["tier"] == "hicache_mp" and r["mode"] == "busy"]
+    assert floor and all(r["floor"]["rows"] == 16 and r["floor"]["loop_rate"] > 0 for r in floor)
+    assert all(r["loop_over_floor"] > 0 for r in floor)
     assert all(look["hits"] == look["keys"] == 200 for look in res["lookups"])
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("vllm_offload_bench-")]

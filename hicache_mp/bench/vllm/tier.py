@@ -44,8 +44,10 @@ import uuid
 
 import numpy as np
 
+from hicache_mp.bench.floor import PacedReaders
 from hicache_mp.bench.giltrace import released_in
 from hicache_mp.bench.loop import STEP_SPIN_S, spin_for, spin_rate
+from workers.pagefile import HEADER_SIZE
 
 ROW_8B = 32 * 2 * 8 * 128 * 2 * 16  # Llama-3.1-8B, one 16-token block: 2 MiB
 IDLE_SLEEP_S = 0.0005
@@ -112,6 +114,10 @@ def parse_args(argv=None):
                    "interleaved (round 1 of each row, then round 2, ...); the table shows "
                    "each figure's median over them, the JSON every round")
     p.add_argument("--lookup-keys", type=int, default=2000)
+    p.add_argument("--no-floor", dest="floor", action="store_false",
+                   help="skip the loop's floor after each busy warm hicache_mp load: the same "
+                        "spin beside plain reader processes that copy the same page files at "
+                        "the load's rate, no engine (hicache_mp.bench.floor)")
     p.add_argument("--phase-timeout-s", type=float, default=120.0)
     p.add_argument("--quick", action="store_true", help="small sizes: a CPU smoke run")
     p.add_argument("--calls", action="store_true", help="only the per-call costs on the "
@@ -321,11 +327,40 @@ def tier_row(rig, args, kind, label, store, *, threads, direct, busy, run_id, ba
             # take the rest of the thread, a slower spin is the machine (cores,
             # memory) or the GIL given to another thread of this process
             row["spin_ratio"] = ld["spin_rate"] / rate
+            if kind == "hicache_mp" and not direct and args.floor:
+                row["floor"] = floor_phase(store, args.row_bytes, row["threads"], ld["seconds"])
+                row["floor"]["loop_ratio"] = row["floor"]["loop_rate"] / rate
+                # The tier's own cost to the loop: the floor moved the same bytes
+                # at the same rate with no engine (hicache_mp.bench.floor).
+                row["loop_over_floor"] = ld["loop_iters"] / ld["seconds"] / row["floor"]["loop_rate"]
     finally:
         tier.drain_jobs()
         tier.shutdown()
         shutil.rmtree(store, ignore_errors=True)
     return row
+
+
+def floor_phase(store: str, row_bytes: int, readers: int, seconds: float) -> dict:
+    """The busy loop's spin, as `steps` runs it less the tier's calls, for
+    `seconds` beside `readers` plain processes that copy this tier's page files
+    (the rows the load just read) in that time: the machine's own share."""
+    items = [(os.path.join(d, f), HEADER_SIZE, row_bytes) for d, _, files in os.walk(store)
+             for f in files if f.endswith(".page")
+             and os.path.getsize(os.path.join(d, f)) == HEADER_SIZE + row_bytes]
+    if not items:
+        return {"error": "no page files of this row's size in the store"}
+    book, iters = {}, 0
+    with PacedReaders(items, readers) as floor:
+        start = floor.start(seconds)
+        while time.monotonic() < start:
+            pass
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            iters += spin_for(STEP_SPIN_S, book)
+        elapsed = time.perf_counter() - t0
+        moved = floor.finish()
+    return {"loop_rate": iters / elapsed, "seconds": elapsed, "readers": moved["workers"],
+            "readers_gbps": moved["gbps"], "rows": len(items)}
 
 
 def lookup_row(args, kind, label, store, busy: bool, threads: int):
@@ -474,9 +509,13 @@ def medians(rows):
                            capped=any(r["load"]["capped"] for r in rs),
                            bytes_verified=sum(r["load"]["bytes_verified"] for r in rs),
                            wrong_bytes=sum(r["load"]["wrong_bytes"] for r in rs))
-        for k in ("loop_ratio", "spin_ratio"):
+        for k in ("loop_ratio", "spin_ratio", "loop_over_floor"):
             if k in rs[0]:
                 row[k] = med(lambda r: r[k])
+                row[k + "_all"] = [r[k] for r in rs]
+        if "floor" in rs[0] and "loop_ratio" in rs[0]["floor"]:
+            row["floor"] = dict(rs[0]["floor"], loop_ratio=med(lambda r: r["floor"]["loop_ratio"]),
+                                readers_gbps=med(lambda r: r["floor"]["readers_gbps"]))
         out.append(row)
     return out
 
@@ -506,6 +545,17 @@ def report(rows, looks, rate0, helper):
         print(f"{r['tier']:<22}{r['threads']:>5}{r['mode']:>6}{r['io']:>6}{s['gbps']:>12.2f}"
               f"{ld['gbps']:>10.2f}{cap:1}{loop:>7}{ld['call_share']:>7.1%}{spin:>6}"
               f"{ld['bytes_verified']:>12}{ld['wrong_bytes']:>7}")
+    for r in rows:
+        fl = r.get("floor")
+        if fl and "loop_ratio" in fl:
+            spread = ", ".join(f"{x:.3f}" for x in r.get("loop_over_floor_all", [r["loop_over_floor"]]))
+            print(f"  floor ({r['tier']}, {r['io']}): the loop beside {fl['readers']} plain readers "
+                  f"copying the same rows at {fl['readers_gbps']:.2f} GB/s (the load: "
+                  f"{r['load']['gbps']:.2f}) ran at {fl['loop_ratio']:.2f} of its rate with no I/O; "
+                  f"loop beside the tier / beside the floor {r['loop_over_floor']:.3f} "
+                  f"(target >= 0.97; rounds {spread})")
+        elif fl:
+            print(f"  floor ({r['tier']}): n/a, {fl['error']}")
     ratios = {}
     for mode in ("idle", "busy"):
         for io in ("warm", "cold"):
