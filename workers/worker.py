@@ -115,6 +115,7 @@ class Worker:
         self.done = WakeSemaphore(spec.done_sem, create=False)
         self.control = Control(spec.control, create=False, num_workers=spec.num_workers)
         self.stats = self.control.workers[self.index]
+        self.pushed = self.control.pushed[self.index:self.index + 1]   # workers.control: Pushed
         self.heartbeat = self.control.heartbeat[self.index]
         self.depth = spec.io_depth
         self.lane = Lane(self.direct, 0)  # the loop's own; run_lanes makes one per thread
@@ -248,6 +249,7 @@ class Worker:
                 if self.parent_gone() or self.control.stopping():
                     return
                 time.sleep(BACKOFF_S)
+            self.pushed[0] += 1   # after the push: a poll that sees it finds the record
         if self.control.words[WAITERS]:  # read after the push (hicache_mp.engine.waiters, note 3)
             self._maybe_wake()
 

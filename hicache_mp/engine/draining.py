@@ -2,14 +2,16 @@
 
 Owns popping each ring, joining what the rings held into one drain, telling
 probe answers (to discovery and the index) from page completions, the evict
-ring (the index forgets those pages) and the lazy poll's question "may the
+ring (the index forgets those pages), a share of the store scan's ring per
+drain (hicache_mp.engine.storescan) and the lazy poll's question "may the
 rings hold what someone waits for?". Must not decide what a completion means
 for an op or a slot, nor number it: the ledger does (hicache_mp.engine.ledger,
 `settle`); nor look at processes (hicache_mp.engine.supervisor). It holds the
 ledger, the discovery table and the index it feeds, never the engine.
 
 Runs inside poll() on the scheduler's thread, under the engine's lock: a
-poll that finds nothing costs a load per ring, and every array step goes
+poll that finds nothing costs one read of the workers' PUSHED words
+(workers.control), and every array step goes
 through shm.gilkeep (decision 74: no numpy reduction, sort or unique here,
 each of which may let the GIL go).
 """
@@ -25,6 +27,7 @@ from workers.records import KIND_PROBE
 from .discovery import Discovery
 from .index import StoreIndex
 from .ledger import OpLedger
+from .storescan import StoreScan
 
 
 class Draining:
@@ -33,12 +36,14 @@ class Draining:
     workers' control block (their page counts)."""
 
     def __init__(self, ledger: OpLedger, discovery: Discovery, index: StoreIndex, pool, control,
-                 evictor):
+                 evictor, scan: StoreScan):
         self.ledger, self.discovery, self.index = ledger, discovery, index
         self.pool, self.control, self.evictor = pool, control, evictor
+        self.scan = scan
         # a worker whose completion ring is full waits for a drain: a lazy poll
         # drains from half a ring (every ring has the same capacity)
         self.half_ring = pool.workers[0].completion_ring.capacity // 2
+        self._pushed = b""   # the PUSHED words at the last drain of the rings: none yet
 
     def rings(self, batch_min: int) -> int:
         """Every worker's completion ring with something in it, then the evict
@@ -51,23 +56,31 @@ class Draining:
         pages. One worker's records stay in its order; one worker's after
         another's is a valid landed order, as they ran concurrently."""
         parts = []
-        for handle in self.pool.workers:
-            # Most polls find nothing: keep them to a load each.
-            if not handle.rings_closed and handle.completion_ring.pending():
-                parts.append(handle.completion_ring.pop_bytes())
+        pushed = self.control.pushed_now()
+        if pushed != self._pushed:
+            # Most polls find nothing: one read of the PUSHED words tells them
+            # (workers.control: Pushed), read before the rings are popped.
+            self._pushed = pushed
+            for handle in self.pool.workers:
+                if not handle.rings_closed and handle.completion_ring.pending():
+                    parts.append(handle.completion_ring.pop_bytes())
         n = 0
         if parts:
             n = self.apply(np.frombuffer(b"".join(parts), dtype=RECORD_DTYPE), batch_min)
-        self.evicted()
+        self.side_rings()
         return n
 
-    def evicted(self) -> None:
-        """The evict ring: those pages are gone, the index forgets them."""
+    def side_rings(self) -> None:
+        """The rings no op waits on, also on a lazy poll that leaves the
+        completion rings alone: the evict ring (those pages are gone, the
+        index forgets them), then a share of the store scan's (the pages it
+        listed join the index)."""
         evictor = self.evictor
         if evictor is not None and evictor.ring.pending():
-            discard = self.index.digests.discard
+            discard = self.index.discard  # (a scan running must not bring them back)
             for digest in evictor.pop()["digest"]:
                 discard(digest.tobytes())
+        self.scan.take()
 
     def due(self) -> bool:
         """For poll(lazy=True) (decision 88): whether the rings may hold what a
