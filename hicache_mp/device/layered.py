@@ -1,0 +1,112 @@
+"""LayerCopies: the DeviceLoader's layer-wise mode, for SGLang's direct linker.
+
+    workers ─► host slots (shm, registered) ─► load stream: one DMA per slot run
+                                               ─► per layer, index_copy into the
+                                                  device pool's token rows; event
+    device pool's token rows ─► store stream (after the forward's events):
+              per layer, index_select ─► one DMA into host slots; event ─► backup
+
+Owns the CUDA registration of the linker's host pools, one load and one store
+stream, the device staging those copies need (held until their event has
+completed) and the copy math between a slot's page-first bytes
+`[kv][layer][token][row]` and the device pool's per-layer `[token, row]`
+tensors (SGLang's `k_buffer`/`v_buffer`, or MLA's `kv_buffer`), addressed by
+token index, so any slot order and any device order work.
+
+Must not: do file I/O, decide when a layer may be copied (the linker does,
+from its ops), or block: every call queues asynchronous work and returns an
+event; `synchronize` is the caller's choice. Without CUDA the same calls run
+as plain tensor copies with events that have always completed (the CPU tests).
+"""
+import torch
+
+from .cuda import DONE, HostRegistration, stream_context
+
+
+def row_view(t: torch.Tensor) -> torch.Tensor:
+    """A per-layer device tensor `[tokens, ...]` as `[tokens, row bytes]` uint8."""
+    if not t.is_contiguous():
+        raise ValueError("a device KV buffer must be contiguous to be copied by rows")
+    return t.view(torch.uint8).reshape(t.shape[0], -1)
+
+
+class LayerCopies:
+    def __init__(self, planes: list, device):
+        """`planes[kv][layer]`: the device pool's per-layer tensors (K then V;
+        one list for MLA), each `[tokens, ...]` with the same row bytes."""
+        self.planes = [[row_view(t) for t in kv] for kv in planes]
+        self.kv_count, self.num_layers = len(planes), len(planes[0])
+        self.row_bytes = self.planes[0][0].shape[1]
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.load_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.store_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._registrations = []
+        self._held = []  # (event, tensors): device staging kept until its copy is done
+
+    def register(self, host: torch.Tensor) -> None:
+        """Pin a host pool for DMA (cudaHostRegister) until close()."""
+        if self.cuda:
+            self._registrations.append(HostRegistration(host.data_ptr(),
+                                                        host.numel() * host.element_size()))
+
+    @staticmethod
+    def slot_rows(host: torch.Tensor, first: int, n: int) -> torch.Tensor:
+        """Slots [first, first+n) of a page-first pool as `[n, kv, layers, tokens, row]` bytes."""
+        run = host[first:first + n]
+        n_, kv, layers, tokens = run.shape[:4]
+        return run.view(torch.uint8).reshape(n_, kv, layers, tokens, -1)
+
+    def load(self, host: torch.Tensor, first: int, n: int, layer0: int, tokens: torch.Tensor,
+             after=None):
+        """Queue slots [first, first+n) (each holding layers layer0.. of one page)
+        into the device rows `tokens` (n * page tokens, page-major); the event."""
+        rows = self.slot_rows(host, first, n)
+        with stream_context(self.load_stream):
+            if after is not None and self.cuda:
+                self.load_stream.wait_event(after)
+            stage = rows.to(self.device, non_blocking=True) if self.cuda else rows
+            idx = tokens.to(self.device, non_blocking=True)
+            for kv in range(self.kv_count):
+                for j in range(rows.shape[2]):
+                    self.planes[kv][layer0 + j].index_copy_(
+                        0, idx, stage[:, kv, j].reshape(-1, self.row_bytes))
+            return self._event(self.load_stream, (stage, idx))
+
+    def store(self, host: torch.Tensor, first: int, n: int, tokens: torch.Tensor, ready=()):
+        """Queue the device rows `tokens` (n whole pages) into slots [first, first+n)
+        once every event of `ready` has completed (the forward wrote them); the event."""
+        rows = self.slot_rows(host, first, n)
+        with stream_context(self.store_stream):
+            if self.cuda:
+                for ev in ready:
+                    self.store_stream.wait_event(ev)
+            idx = tokens.to(self.device, non_blocking=True)
+            stage = torch.empty(rows.shape, dtype=torch.uint8, device=self.device) \
+                if self.cuda else rows
+            for kv in range(self.kv_count):
+                for layer in range(self.num_layers):
+                    stage[:, kv, layer] = self.planes[kv][layer].index_select(0, idx) \
+                        .view(rows.shape[0], rows.shape[3], self.row_bytes)
+            if self.cuda:
+                rows.copy_(stage, non_blocking=True)
+            return self._event(self.store_stream, (stage, idx))
+
+    def _event(self, stream, keep):
+        if not self.cuda:
+            return DONE
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        self._held = [(e, k) for e, k in self._held if not e.query()]
+        self._held.append((ev, keep))
+        return ev
+
+    def close(self) -> None:
+        """Finish queued copies, then unpin the host pools."""
+        if self.cuda:
+            self.load_stream.synchronize()
+            self.store_stream.synchronize()
+        self._held = []
+        for r in self._registrations:
+            r.close()
+        self._registrations = []
