@@ -17,9 +17,11 @@
     names            SGLang's shard naming as engine namespaces
     layouts          SGLang's KV page layouts as views
     store_import     `hicache-mp import-sglang`: an SGLang `file` store converted
-    fastpath         install() of SGLang's storage fast path (0.5.23 only); the patch text
+    fastpath         install() of SGLang's storage fast path (0.5.23 only), directly or
+                     through SGLang's HookRegistry (the top-level hicache_mp_sglang_plugin
+                     module, SGLang's plugin entry point, calls it); the patch text
     fastpath_methods the fast path's methods, as SGLang's source (no hicache_mp in them)
-    serve            `hicache-mp sglang-serve`: SGLang's server with the fast path
+    serve            `hicache-mp sglang-serve`: HICACHE_MP_FASTPATH=1 and SGLang's own launcher
     upstream/        the fast path as a patch against SGLang 0.5.23, and its README
 
 Only `backend` imports SGLang, and this package loads it when `HiCacheMP` is
