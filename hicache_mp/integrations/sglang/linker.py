@@ -131,6 +131,7 @@ class _Batch:
         self.index = index
         self.requests = []            # (rid, keys, tokens, first slot)
         self.ops = [None] * groups    # one read op per layer group
+        self.ready = None             # the scheduler's stream at start: it made the indices
         self.events = [None] * groups  # the group's copy, once queued
         self.failed = None            # the first error
 
@@ -254,6 +255,9 @@ class HiCacheMPLinker(UnifiedCacheLinker):
         batch.requests = [(rid, *q) for rid, q in self._queued.items()]
         self._queued = {}
         self._batches[index] = batch
+        if self.copies.cuda:  # the slots' indices were made on the scheduler's stream
+            batch.ready = torch.cuda.Event()
+            batch.ready.record()
         # The slots may still be read by an earlier batch's copy: the copy event
         # of a finished batch was waited for in finish(), so they are free.
         try:
@@ -326,7 +330,7 @@ class HiCacheMPLinker(UnifiedCacheLinker):
         last = None
         for _rid, keys, tokens, first in batch.requests:
             n = len(keys)
-            last = self.copies.load(host, first + g * n, n, layer0, tokens)
+            last = self.copies.load(host, first + g * n, n, layer0, tokens, after=batch.ready)
         batch.events[g] = last
 
     def _issue_landed(self, batch: _Batch) -> None:

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# SGLang's direct L3 path (issue 44) on the GPU box, in one command: installs
+# what the box lacks from .whl/ (scripts/device/device_wheels.sh) and the
+# sglang-fs-linker wheel from .whl-fslinker/ (pip download --no-deps
+# sglang-fs-linker==0.1.0 -d .whl-fslinker), then runs scripts/bench_linker.py:
+# a 2 GiB prefix (256 x 8 MiB pages, 32 layers) on a warm store, the layered
+# linker beside one group (load everything, then compute) and sglang-fs-linker,
+# interleaved rounds, into OUTDIR/linker.json and OUTDIR/linker.log.
+# Carry: .whl .whl-fslinker
+# Usage: scripts/device/device_linker.sh OUTDIR [bench_linker.py args]
+set -u
+out=${1:?usage: scripts/device/device_linker.sh OUTDIR [bench_linker.py args]}
+shift
+mkdir -p "$out"
+cd "$(dirname "$0")/../.."
+. scripts/device/device_deps.sh
+if ls .whl-fslinker/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --no-index --target "$deps" .whl-fslinker/*.whl && fs=--fs-linker
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -2
+nproc
+timeout 480 python3 scripts/bench_linker.py --rounds 5 --store /tmp ${fs:-} \
+  --json "$out/linker.json" "$@" > "$out/linker.log" 2>&1
+echo "bench_linker rc=$? in $((SECONDS - t0))s"
+grep -v "^INFO\|Warning\|warnings.warn" "$out/linker.log" | tail -n 30
