@@ -124,11 +124,11 @@ class Ring:
         out = self._take(max_records, self._copy_records)
         return _EMPTY if out is None else out
 
-    def pop_bytes(self) -> bytes:
-        """`pop` of every record, as their bytes (b"" if none): a consumer that
-        joins several rings' records before reading them (hicache_mp.engine.draining)
+    def pop_bytes(self, max_records: int | None = None) -> bytes:
+        """`pop` as the records' bytes (b"" if none): a consumer that joins
+        several rings' records before reading them (hicache_mp.engine.draining)
         copies each ring once, with no numpy call."""
-        out = self._take(None, self._copy_bytes)
+        out = self._take(max_records, self._copy_bytes)
         return b"" if out is None else out
 
     def _take(self, max_records, copy_out):

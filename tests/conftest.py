@@ -61,11 +61,11 @@ def _owners():
     return lambda pid: seen[pid] if pid in seen else seen.setdefault(pid, _ours(pid))
 
 
-_CHILDREN = (b"hicache_mp-worker", b"hicache_mp-evictor")
+_CHILDREN = (b"hicache_mp-worker", b"hicache_mp-evictor", b"hicache_mp-scanner")
 
 
 def worker_pids() -> set[int]:
-    """Live workers and evictors of ours, from /proc/<pid>/cmdline directly
+    """Live workers, evictors and store scanners of ours, from /proc/<pid>/cmdline directly
     (psutil's process_iter costs ~10x as much, and this runs around every test)."""
     pids, ours = set(), _owners()
     for entry in os.listdir("/proc"):

@@ -87,6 +87,8 @@ def test_a_scheduler_polling_without_waiting_finds_a_prefix_in_three_calls(store
     rest of the prefix together, not one more key per call."""
     keys = [f"poll-{i}" for i in range(PAGES)]
     with engine(store, pages=PAGES) as reader, engine(store, pages=PAGES) as writer:
+        # The index whole first: until then exists() waits for the answers (decision 110)
+        assert reader.wait_scanned(30)
         data = random_pages(writer.geometry, PAGES, seed=10)
         fill(writer, range(PAGES), data)
         op = writer.backup(keys, range(PAGES))

@@ -12,6 +12,7 @@ Every field is an aligned uint64, written by exactly one side:
     POSTED_NS, POSTED_SEQ                         the worker that posts a wake-up
     STORE_BASE, WRITTEN_AT_SCAN, EVICTOR_PID,     evictor
     EVICT_PASSES, EVICT_REMOVED
+    SCANNER_PID                                   the store scanner (workers.scanner)
     per worker: READY_PID, BUSY_NS, PAGES, BYTES, WRITTEN, INFLIGHT,
                 INFLIGHT_KEY, READS_DONE, WANT                      that worker
     per worker: READS_SUBMITTED                   engine (and reset, with
@@ -106,8 +107,8 @@ CANCEL_SLOTS = 4096
 PIN_SLOTS = 1 << 16
 _WORKER_FIELDS = 10
 STOP, WAITERS, STORE_BASE, WRITTEN_AT_SCAN, MAX_BYTES, MIN_FREE, EVICTOR_PID, WAKE_AT, \
-    POSTED_NS, WAKE_SEQ, POSTED_SEQ, EVICT_PASSES, EVICT_REMOVED = range(13)
-_WORKERS_AT = 13
+    POSTED_NS, WAKE_SEQ, POSTED_SEQ, EVICT_PASSES, EVICT_REMOVED, SCANNER_PID = range(14)
+_WORKERS_AT = 14
 _CANCEL_AT = _WORKERS_AT + MAX_WORKERS * _WORKER_FIELDS
 _PINS_AT = _CANCEL_AT + CANCEL_SLOTS
 _HEARTBEAT_AT = _PINS_AT + PIN_SLOTS

@@ -382,6 +382,9 @@ class FileStore(PageStore):
                     total += st.st_size
         return Scan(pages, total, reaped, tuple(temps))
 
+    def blank(self) -> bool:
+        return not naming.has_fanout(self.root)
+
     def walk(self, reap_tmp: bool = False):
         """Every page file's digest, one leaf directory at a time: yields
         (digests, temp files of dead writers removed there). No stat per page

@@ -122,6 +122,12 @@ def fanout_dirs(root: str) -> list[str]:
     return [sub for top in _two_char_dirs(root) for sub in _two_char_dirs(top)]
 
 
+def has_fanout(root: str) -> bool:
+    """Does `root` hold a fan-out directory (a store nothing was ever written
+    to, or one cleared, holds none)? One listing of the root."""
+    return bool(_two_char_dirs(root))
+
+
 def _two_char_dirs(path: str) -> list[str]:
     try:
         with os.scandir(path) as it:

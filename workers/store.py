@@ -19,6 +19,8 @@ The calls, all synchronous and safe from several threads of one process:
     scan(reap_tmp=False) -> Scan                      every page: digest, size, last access
     walk(reap_tmp=False) -> iter of (digests, reaped) every page's digest, a directory at a
                                                       time, with no stat per page
+    blank() -> bool                                   no page, nor any directory one
+                                                      would be in: one listing
     free_bytes(digest=None) -> int | None             room left where that page goes
     parts() -> [PageStore]                            the independently full/failing pieces
     roots                                             directories the store lives in
@@ -119,6 +121,9 @@ class PageStore:
         raise NotImplementedError
 
     def walk(self, reap_tmp: bool = False):
+        raise NotImplementedError
+
+    def blank(self) -> bool:
         raise NotImplementedError
 
     def free_bytes(self, digest: bytes | None = None) -> int | None:

@@ -56,6 +56,9 @@ class StripedStore(PageStore):
             reaped += one.stale_removed
         return Scan(pages, total, reaped, tuple(temps))
 
+    def blank(self) -> bool:
+        return all(store.blank() for store in self.stores)
+
     def walk(self, reap_tmp: bool = False):
         for store in self.stores:
             yield from store.walk(reap_tmp)

@@ -37,6 +37,11 @@ announces:
     PROBE_TTL_S        0.25 s a key probed is not probed again this soon: a
                               scheduler asking in a loop costs one stat per key
                               per PROBE_TTL_S
+    SCAN_PROBE_WAIT_S  0.5 s  until the store scan at start is whole, exists()
+                              waits at least this long for the workers' answers
+                              about keys the index does not know yet (a stat
+                              each: a millisecond on local disk), so a page the
+                              scan has not reached is not answered as a miss
     ABANDON_GRACE_S    1 s    abandon(): time for workers to skip a cancelled
                               op's pages before its slots are taken back (the
                               SGLang adapter: at most its io_timeout_s)
@@ -66,6 +71,8 @@ The worker's side (the same clock, in each worker process):
     DEFER_POLL_S       2 ms   a worker with a deferred write looks again (no one
                               posts it when another worker's reads finish)
     CHILD_READY_POLL_S 2 ms   the parent looks for its children's ready words
+    SCAN_PUSH_POLL_S   2 ms   the store scanner, its ring full, looks again for
+                              room (the engine takes a share of it per poll)
     PARENT_CHECK_S     0.25 s an idle child looks at its parent: also the longest
                               an orphan lives
     STILL_S            0.25 s a worker with reads queued that neither runs a page
@@ -124,6 +131,7 @@ HEALTH_CHECK_S = 0.1
 TARGET_CAP_S = 0.2
 WAIT_SLICE_S = 0.2
 PROBE_TTL_S = 0.25
+SCAN_PROBE_WAIT_S = 0.5
 ABANDON_GRACE_S = 1.0
 ANSWER_LOST_S = 2.0
 
@@ -138,6 +146,7 @@ SLEEPERS_GONE_S = 5.0
 BACKOFF_S = 0.0005
 DEFER_POLL_S = 0.002
 CHILD_READY_POLL_S = 0.002
+SCAN_PUSH_POLL_S = 0.002
 PARENT_CHECK_S = 0.25
 WRITE_DEFER_MAX_S = 0.5
 STILL_S = WRITE_DEFER_MAX_S / 2

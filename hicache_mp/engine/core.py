@@ -55,9 +55,12 @@ __all__ = ["EngineCore", "EngineClosed", "EngineForked", "check_timeout"]
 
 class EngineCore(IndexLookups, Closing, Ownership):
     def __init__(self, config: EngineConfig, geometry: PageGeometry,
-                 make_io: Callable[[IOContext], IOBackend]):
+                 make_io: Callable[[IOContext], IOBackend], *, background_scan: bool = False):
         """`make_io`: makes the engine's I/O backend from what it may use of
-        the engine (hicache_mp.engine.iobackend), last, once the books exist."""
+        the engine (hicache_mp.engine.iobackend), last, once the books exist.
+        `background_scan`: the backend scans the store for the index off this
+        process (its `rescan`; the `mp` engine, decision 110); else the
+        constructor walks it here, and rescans run on a thread."""
         if not isinstance(geometry, PageGeometry):
             raise ValueError(f"geometry must be a PageGeometry, got {type(geometry).__name__}")
         # A slot holds a page, or one layer group of one with read_parts (decision
@@ -72,7 +75,9 @@ class EngineCore(IndexLookups, Closing, Ownership):
         self._store = open_store(config.storage_dir)  # for scans; workers open their own
         self._store.create()
         self._index = StoreIndex(self._store)
-        self._index.scan()
+        self._background_scan = background_scan
+        if not background_scan:
+            self._index.scan()
         self._lock = threading.RLock()
         # The books (ops in flight, slots, pins, counts, the landed order):
         # one object, changed only through its rules, under the lock.
@@ -257,6 +262,9 @@ class EngineCore(IndexLookups, Closing, Ownership):
                    "page_bytes": self.geometry.page_bytes, "lazy_polls_skipped": 0}  # the backend's count, if it polls lazily
             out.update(self._ledger.metrics(now, self.geometry.page_bytes))
             out.update(self._io.metrics(now))
+            # the index's scans, and whether the evictor has measured the store (mp)
+            out["store_scan"] = {**self._index.scan_metrics(),
+                                 "capacity": out.pop("store_capacity", None)}
             out["close"] = self._close_report
             return out
 
@@ -332,4 +340,7 @@ class EngineCore(IndexLookups, Closing, Ownership):
 
     def _start_rescan(self) -> None:
         self._last_rescan = time.monotonic()
+        if self._background_scan:
+            self._io.rescan()
+            return
         threading.Thread(target=self.refresh, name="hicache_mp-rescan", daemon=True).start()

@@ -2,7 +2,8 @@
 
 Owns popping each ring, joining what the rings held into one drain, telling
 probe answers (to discovery and the index) from page completions, the evict
-ring (the index forgets those pages) and the lazy poll's question "may the
+ring (the index forgets those pages), a share of the store scan's ring per
+drain (hicache_mp.engine.storescan) and the lazy poll's question "may the
 rings hold what someone waits for?". Must not decide what a completion means
 for an op or a slot, nor number it: the ledger does (hicache_mp.engine.ledger,
 `settle`); nor look at processes (hicache_mp.engine.supervisor). It holds the
@@ -26,6 +27,7 @@ from workers.records import KIND_PROBE
 from .discovery import Discovery
 from .index import StoreIndex
 from .ledger import OpLedger
+from .storescan import StoreScan
 
 
 class Draining:
@@ -34,9 +36,10 @@ class Draining:
     workers' control block (their page counts)."""
 
     def __init__(self, ledger: OpLedger, discovery: Discovery, index: StoreIndex, pool, control,
-                 evictor):
+                 evictor, scan: StoreScan):
         self.ledger, self.discovery, self.index = ledger, discovery, index
         self.pool, self.control, self.evictor = pool, control, evictor
+        self.scan = scan
         # a worker whose completion ring is full waits for a drain: a lazy poll
         # drains from half a ring (every ring has the same capacity)
         self.half_ring = pool.workers[0].completion_ring.capacity // 2
@@ -64,16 +67,20 @@ class Draining:
         n = 0
         if parts:
             n = self.apply(np.frombuffer(b"".join(parts), dtype=RECORD_DTYPE), batch_min)
-        self.evicted()
+        self.side_rings()
         return n
 
-    def evicted(self) -> None:
-        """The evict ring: those pages are gone, the index forgets them."""
+    def side_rings(self) -> None:
+        """The rings no op waits on, also on a lazy poll that leaves the
+        completion rings alone: the evict ring (those pages are gone, the
+        index forgets them), then a share of the store scan's (the pages it
+        listed join the index)."""
         evictor = self.evictor
         if evictor is not None and evictor.ring.pending():
-            discard = self.index.digests.discard
+            discard = self.index.discard  # (a scan running must not bring them back)
             for digest in evictor.pop()["digest"]:
                 discard(digest.tobytes())
+        self.scan.take()
 
     def due(self) -> bool:
         """For poll(lazy=True) (decision 88): whether the rings may hold what a

@@ -82,6 +82,11 @@ class IOBackend(Protocol):
         """Nothing waits in the I/O's queues and nothing is in a page I/O
         (False where that cannot be known)."""
 
+    def rescan(self) -> None:
+        """Scan the store for the index off the scheduler's process, after
+        the scan running if any (only a backend whose engine was made with
+        `background_scan`: the `mp` engine, decision 110)."""
+
     def shutdown(self) -> None:
         """Stop the I/O; what finished before the stop is drained."""
 

@@ -1,10 +1,12 @@
 """IndexLookups: which keys have a page in the store, as far as this engine knows.
 
 Owns the public calls on the exists index (exists, exists_at_once, ask,
-present, awaiting_discovery, mark_present, forget_all, indexed_pages, refresh) and the
-wait for probe answers. Must not make a system call on the caller's thread (the index is
-in memory; workers stat the store for keys it misses, hicache_mp.engine.discovery)
-nor let the GIL go outside the engine's one sleep (decision 74).
+present, awaiting_discovery, mark_present, forget_all, indexed_pages, refresh,
+wait_scanned) and the wait for probe answers. Must not make a system call on
+the caller's thread (the index is in memory; workers stat the store for keys
+it misses, hicache_mp.engine.discovery; a scanner process lists it,
+hicache_mp.engine.storescan) nor let the GIL go outside the engine's one
+sleep (decision 74).
 
 `IndexLookups` is a mixin of EngineCore, whose `__init__` makes the index,
 the discovery table and the lock it uses. (The vLLM adapter's per-step
@@ -15,7 +17,12 @@ import time
 import numpy as np
 
 from workers import naming
-from workers.timing import PROBE_WAIT_SLICE_S
+from workers.timing import PROBE_WAIT_SLICE_S, SCAN_PROBE_WAIT_S
+
+# wait_scanned() sleeps this long between polls: each poll takes a share of
+# the scan's ring (hicache_mp.engine.storescan.TAKE_PER_POLL), and the
+# scanner refills it in about as long.
+SCAN_WAIT_SLICE_S = 0.001
 
 from .closing import EngineClosed
 from .index import StoreIndex
@@ -38,6 +45,12 @@ class IndexLookups:
         follows: asking about the rest would cost the store a stat per key,
         and this thread a digest per key, for nothing. EngineClosed once the
         engine is closed (also when a close() interrupted this call).
+
+        Until the store scan at start has ended whole (`metrics()["store_scan"]`,
+        decision 110) the index may not know pages the store holds, so a key
+        it misses is no sign of a miss: then this waits at least
+        SCAN_PROBE_WAIT_S for the workers' answers (a stat each), whatever
+        `wait_s`; SGLang's and vLLM's callers take a short answer as a miss.
         """
         self._check_open()
         try:
@@ -54,6 +67,8 @@ class IndexLookups:
         n = self._leading(keys)
         if n == len(keys):
             return n
+        if not self._index.complete:
+            wait_s = max(wait_s, SCAN_PROBE_WAIT_S)
         deadline = time.monotonic() + wait_s
         # A prefix whose first pages are known is asked about whole (its
         # writer likely wrote on); one with none known, head first.
@@ -161,12 +176,37 @@ class IndexLookups:
         """Pages the index knows of."""
         return len(self._index)
 
+    def wait_scanned(self, timeout_s: float | None = None) -> bool:
+        """Poll until the store scan running (at start, or a rescan) has ended
+        or `timeout_s` passed (None: no limit); whether the index is whole (a
+        scan has ended whole). For a bench, a test or a server that wants the
+        index whole before it serves; exists() is right without it."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self.poll()  # EngineClosed once closed
+            if not self._index.scanning:
+                return self._index.complete
+            left = SCAN_WAIT_SLICE_S if deadline is None else \
+                min(SCAN_WAIT_SLICE_S, deadline - time.monotonic())
+            if left <= 0:
+                return False
+            self._sleep_counted(left)
+
     def refresh(self) -> int:
-        """Rescan the store (picks up pages other engines wrote). Returns the count."""
+        """Rescan the store (picks up pages other engines wrote), and wait for
+        it. Returns the count. An engine that scans in the background
+        (the `mp` engine, decision 110) has its scanner walk the store, after
+        the scan running; the baselines walk it on this thread."""
         if self._forked:
             self._refuse_in_child()
+        if self._background_scan:
+            with self._lock:
+                self._check_open()
+                self._io.rescan()
+            self.wait_scanned()
+            return len(self._index)
         found = StoreIndex(self._store)
         found.scan()
         with self._lock:
-            self._index.add_scanned(found.digests)
+            self._index.add_scanned(found.digests, listed=False)
             return len(self._index)

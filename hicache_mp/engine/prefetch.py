@@ -21,12 +21,15 @@
     with storage limits:      EvictorProcess (workers.evictor) keeps the store
                               under them; poll() pops its evict ring and the
                               index forgets those pages
+    at start (and rescans):   a scanner process (workers.scanner) lists the
+                              store; poll() takes a share of its ring into
+                              the index (storescan)
 
 Owns the public `mp` engine and its I/O backend, `WorkerIO`
 (hicache_mp.engine.iobackend's protocol): the wiring of its parts, each a module of
-one job: resources (made at start and released at close),
-striping (records, which worker gets which share), draining (rings into the
-books), supervisor (health, watchdog, fences, respawns) and waiters (the
+one job: resources (made at start and released at close), storescan
+(the store's scans, walked by a scanner process), striping (records,
+which worker gets which share), draining (rings into the books), supervisor (health, watchdog, fences, respawns) and waiters (the
 wake-up protocol, its numbered note); each is handed the ledger
 (hicache_mp.engine.ledger: ops, slot reservations, pins, counts), the lock and what
 it serves, never the engine. EngineCore (hicache_mp.engine.core) keeps input checks,
@@ -49,7 +52,7 @@ import weakref
 
 from shm import PageGeometry
 from workers import status as st
-from workers.control import BUSY_NS, BYTES, PAGES, STOP
+from workers.control import BUSY_NS, BYTES, EVICT_PASSES, PAGES, STOP
 from workers.timing import ABANDON_GRACE_S, HEALTH_CHECK_S, TARGET_CAP_S  # noqa: F401 (API)
 
 from . import resources
@@ -60,6 +63,7 @@ from .draining import Draining
 from .iobackend import IOContext
 from .ops import Op
 from .resources import shm_bytes  # noqa: F401 (API: hicache_mp.engine.shm_bytes)
+from .storescan import StoreScan
 from .striping import Striping
 from .supervisor import Supervisor
 from .waiters import Waiters
@@ -99,7 +103,8 @@ class PrefetchEngine(EngineCore):
         (hicache_mp.engine.nodebudget).
         """
         super().__init__(config, geometry, lambda ctx: WorkerIO(
-            ctx, self, pool_fd=pool_fd, pool_parts=pool_parts, aux_workers=aux_workers))
+            ctx, self, pool_fd=pool_fd, pool_parts=pool_parts, aux_workers=aux_workers),
+            background_scan=True)
         io, res = self._io, self._io.built
         self.stale_removed, self.tag, self.shared_pool = res.stale_removed, res.tag, res.shared_pool
         self.direct_io, self.direct_io_reason = res.direct_io, res.direct_io_reason
@@ -147,8 +152,9 @@ class WorkerIO:
         self.striping = Striping(self.pool, self.control)
         # The parts hold the books (the ledger), the lock and what they serve,
         # never the engine; a question about the engine's state is a callable.
+        self.store_scan = StoreScan(res.scanner, ctx.index)
         self.draining = Draining(ctx.ledger, ctx.discovery, ctx.index, self.pool,
-                                 self.control, self.evictor)
+                                 self.control, self.evictor, self.store_scan)
         self.supervisor = Supervisor(ctx.ledger, ctx.lock, config, self.pool, self.control,
                                      self.evictor, self.drain_ring, ctx.rescan)
         self.waiters = Waiters(ctx.lock, ctx.ledger, self.drain, ctx.closed, ctx.released,
@@ -162,6 +168,10 @@ class WorkerIO:
         # Segments go even if the caller forgets close() or an exception unwinds.
         self.finalizer = weakref.finalize(owner, resources.release, os.getpid(), self.pool,
                                           list(self.segments))
+        # Last, once the workers are ready: the scan's walk is off this
+        # process, so the constructor returns whatever the store holds, and
+        # the scanner's start does not compete with the workers' (decision 110).
+        self.store_scan.start(ctx.store)
 
     # --- the protocol: each call hands over to one part ------------------------------
     def check_accepting(self) -> None:
@@ -192,7 +202,7 @@ class WorkerIO:
         if lazy and not self.draining.due():
             n = 0
             self.lazy_skips += 1
-            self.draining.evicted()
+            self.draining.side_rings()
         else:
             n = self.draining.rings(BATCH_APPLY_MIN)
         if self.supervisor.maybe_check():
@@ -200,6 +210,9 @@ class WorkerIO:
             # to do costs what it did before the watch (one clock read).
             self.throttle.maybe_check()
         return n
+
+    def rescan(self) -> None:
+        self.store_scan.rescan()
 
     def drain_ring(self, ring) -> int:
         return self.draining.ring(ring, BATCH_APPLY_MIN)
@@ -283,6 +296,9 @@ class WorkerIO:
             "evicted_bytes": ev.evicted_bytes if ev else 0,
             "store_bytes_estimate": self.control.store_estimate()
             if ev and not closed else None,
+            # the evictor has measured the whole store once (its first pass)
+            "store_capacity": None if not ev or closed else
+            "counted" if int(self.control.words[EVICT_PASSES]) else "counting",
             "stale_segments_removed": len(res.stale_removed),
             "probes_sent": self.discovery.sent,
             "probes_found": self.discovery.found,

@@ -5,8 +5,9 @@ decision on direct I/O (and the one warning for a store this uid cannot
 write), this engine's share of the node's cores, the room
 check for everything it will put in /dev/shm, the host pool (its own, a
 caller's descriptor, or a caller's parts), the control block, the completion
-semaphore, the evictor (with storage limits), the typed `WorkerSpec` and the
-`WorkerPool`; and releasing all of it (`release`). Returns them as one
+semaphore, the evictor (with storage limits), the store scanner's ring
+(workers.scanner; the scan itself starts once the workers are ready,
+hicache_mp.engine.storescan), the typed `WorkerSpec` and the `WorkerPool`; and releasing all of it (`release`). Returns them as one
 `Resources` bundle. Must not take work, read rings or know about ops: it
 builds and tears down, nothing in between.
 
@@ -29,6 +30,7 @@ from workers import directio, pagefile
 from workers.control import CONTROL_BYTES, MAX_BYTES, MIN_FREE, Control
 from workers.evictor import EVICT_RING_CAPACITY, EvictorProcess, headroom_bytes
 from workers.pool import WorkerPool, worker_cpus
+from workers.scanner import SCAN_RING_CAPACITY, ScannerProcess
 from workers.spec import WorkerSpec
 from workers.store import write_problem
 
@@ -53,6 +55,7 @@ class Resources:
     control: Control = None
     done_sem: WakeSemaphore = None
     evictor: EvictorProcess = None
+    scanner: ScannerProcess = None
     pool: WorkerPool = None
     segments: list = field(default_factory=list)
     cpu_budget: CpuBudget = None
@@ -60,11 +63,12 @@ class Resources:
 
 def shm_parts(pool_bytes: int, workers: int, ring_capacity: int, evictor: bool) -> list:
     """/dev/shm bytes an engine allocates, as (key, label, bytes) in the order
-    they are made: pool, control block (with the completion semaphore and the
-    evictor's ring), every worker's two submit rings and completion ring
+    they are made: pool, control block (with the completion semaphore, the
+    store scan's ring and the evictor's), every worker's two submit rings and completion ring
     (twice as long); a page per semaphore (tmpfs rounds each file up to one)."""
     per_worker = 2 * ring_bytes(ring_capacity) + ring_bytes(2 * ring_capacity) + 4096
-    extra = ring_bytes(EVICT_RING_CAPACITY) + 4096 if evictor else 0
+    extra = ring_bytes(SCAN_RING_CAPACITY) + (ring_bytes(EVICT_RING_CAPACITY) + 4096
+                                              if evictor else 0)
     parts = [("pool", "host pool", pool_bytes)] if pool_bytes else []
     return parts + [("control", "control block", CONTROL_BYTES + extra + 4096),
                     ("rings", f"rings of {workers} worker{'s' if workers > 1 else ''}",
@@ -277,6 +281,9 @@ def _build(res: Resources, config: EngineConfig, geometry: PageGeometry, pool_fd
         res.evictor.start(config.worker_start_timeout_s)
         orphan_shm.append(res.evictor.ring.name)
         orphan_sem.append(res.evictor.wake.name)
+    res.scanner = ScannerProcess(tag=res.tag, control=control, storage_dir=config.storage_dir)
+    segments.append(res.scanner)
+    orphan_shm.append(res.scanner.ring.name)
     spec = WorkerSpec(
         storage_dir=config.storage_dir, geometry=geometry.to_dict(),
         pool_name=res.host_pool.name, pool_pages=config.host_pool_pages,

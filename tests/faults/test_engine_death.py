@@ -91,6 +91,7 @@ def test_next_engine_cleans_up_after_a_killed_group_and_serves_completed_pages(s
         # Removed by this engine's start (or by any engine another session on
         # this machine started meanwhile: each cleans every dead owner's names).
         assert not [n for n in list_ours() if tag in n]
+        assert e.wait_scanned(30)  # the start's scan runs in the background (decision 110)
         assert e.metrics()["stale_tmp_removed"] >= 1 and not store_files(store)[1]
         assert e.exists(done) == len(done)
         pb = e.geometry.page_bytes

@@ -56,6 +56,7 @@ def test_scans_reap_only_temp_files_whose_writer_is_gone(store):
     two_hours_ago = time.time() - 7200
     os.utime(os.path.join(leaf, names["other_host_old"]), (two_hours_ago, two_hours_ago))
     with make(store, pages=4, workers=1) as e:
+        assert e.wait_scanned(30)  # the start's scan runs in the background (decision 110)
         left = set(os.listdir(leaf))
         assert e.metrics()["stale_tmp_removed"] == 2
     assert left == {names["live"], names["other_host"], names["legacy_dead"], names["legacy_host"]}

@@ -3,8 +3,13 @@ SGLang 0.5.23's stock controller, through SGLang's real classes on CPU.
 
 - Differential: the same workload through a stock controller and through one
   built after `install()` gives the same acks, the same pages in the same host
-  slots and the same backup files. Dense (`HiCacheController`) on `mp` and
-  SGLang's `file`, under each prefetch policy as the scheduler plays it
+  slots and the same backup files; and the same through the plugin route: the
+  fast runs in a fresh interpreter where SGLang's own `load_plugins()` ran the
+  `hicache_mp_fastpath` plugin with HICACHE_MP_FASTPATH=1 (fastpath_plugin_child.py),
+  where every replaced method is seen to run the fast path's code and SGLang's
+  log names the plugin for each hook. The workload (fastpath_diff.py): dense
+  (`HiCacheController`) on `mp` and SGLang's `file`, under each prefetch
+  policy as the scheduler plays it
   against the controller (wait_complete: never terminated; best_effort:
   terminated when scheduled, here before its transfer starts; timeout:
   terminated at its deadline, here while the second batch is in flight).
@@ -14,7 +19,9 @@ SGLang 0.5.23's stock controller, through SGLang's real classes on CPU.
 - The hand-offs: at most one SGLang-side wait per batch on its storage threads.
 - install() applied, idempotent, undone, and refused (another version, or an
   0.5.23 whose methods differ); the upstream patch is what install() does and
-  applies to a copy of SGLang's installed sources; the `sglang-serve` launcher.
+  applies to a copy of SGLang's installed sources. The plugin without the
+  opt-in, with another version, in SGLang's scheduler process, and the
+  `sglang-serve` alias: test_sglang_plugin.py.
 
 Reaches inside: SGLang's `HiCacheController._reduce_prefetch_ack` and
 `HybridCacheController._page_transfer_sidecar`, private methods of SGLang's
@@ -22,10 +29,12 @@ controllers that install() replaces: the test reads them to see them replaced
 and restored, and swaps one for a stand-in to show install() refuses an
 0.5.23 whose methods are not the ones the fast path was built from.
 """
-import hashlib
+import inspect
+import json
 import os
 import shutil
 import subprocess
+import sys
 import sysconfig
 import threading
 import time
@@ -44,97 +53,20 @@ import torch  # noqa: E402
 
 from hicache_mp.bench.sglang import stack as sglang_stack  # noqa: E402
 from hicache_mp.bench.sglang.stack import Scheduler  # noqa: E402
-from hicache_mp.bench.sglang.handoffs import thread_role  # noqa: E402
-from hicache_mp.integrations.sglang import fastpath  # noqa: E402
+from hicache_mp.integrations.sglang import fastpath, fastpath_methods  # noqa: E402
+from fastpath_diff import (DENSE, HYBRID_POLICIES, POLICIES, SGL_THREADS,  # noqa: E402
+                           dense_round, dense_run, hybrid_run)
 
 UPSTREAM = os.path.join(os.path.dirname(fastpath.__file__), "upstream")
 PATCH = os.path.join(UPSTREAM, "sglang-0.5.23-hicache-fastpath.patch")
 SITE = sysconfig.get_paths()["purelib"]
-# 8 KiB pages of 4 tokens; 160 pages: two of SGLang's 128-page batches per request
-DENSE = ["--round-mib", "1.25", "--page-mib", "0.0078125", "--layers", "2", "--heads", "4",
-         "--head-dim", "64", "--requests", "1", "--workers", "1", "--timeout-s", "30"]
-POLICIES = ("wait_complete", "best_effort", "timeout")
-# SGLang's storage threads, by target (earlier stacks' threads have been joined)
-SGL_THREADS = {"prefetch_thread_func", "prefetch_io_aux_func", "prefetch_sync_thread_func",
-               "backup_thread_func"}
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(autouse=True)
 def _stock_after():
     yield
     fastpath.uninstall()
-
-
-class Gate:
-    """Holds the backend's Nth get of a round until the test has terminated
-    the prefetch, so 'terminated while batch N is in flight' is the same point
-    in every run (the backend's call is wrapped; the controller is not)."""
-
-    def __init__(self, ctl, name, hold_call):
-        self.arrived, self.go, self.n, self.hold = threading.Event(), threading.Event(), 0, hold_call
-        be = ctl.storage_backend
-        fn = getattr(be, name)
-
-        def gated(*a, **k):
-            self.n += 1
-            if self.n == self.hold:
-                self.arrived.set()
-                self.go.wait(10)
-            return fn(*a, **k)
-        setattr(be, name, gated)
-
-
-def dense_round(s, policy):
-    """One prefetch of the whole sequence as the scheduler plays `policy`:
-    (acks [(completed_tokens, completed_req)], host slots, pages' bytes)."""
-    ctl, hp, deadline = s.ctl, s.hp, time.monotonic() + 30
-    get_name = "batch_get" if s.name == "file" else "batch_get_v1"
-    gate = Gate(ctl, get_name, 2) if policy == "timeout" else None
-    sched = Scheduler(False)
-    op = ctl.prefetch("r", s.tokens, None)
-    hit = sched.get(ctl.prefetch_hit_queue, deadline)
-    assert hit is op and op.storage_hit_count == len(s.tokens)
-    op.host_indices = hp.alloc(op.storage_hit_count)
-    if policy == "best_effort":
-        ctl.terminate_prefetch(op)   # scheduled before its transfer began
-    ctl.prefetch_buffer.put(op)
-    if gate is not None:
-        assert gate.arrived.wait(10)
-        ctl.terminate_prefetch(op)   # the deadline passed during the second batch
-        gate.go.set()
-    acks = []
-    while not acks or not acks[-1][1]:
-        a = sched.get(ctl.ack_prefetch_queue, deadline)
-        acks.append((a.completed_tokens, bool(a.completed_req)))
-    done = max([t for t, _ in acks if t is not None] + [0])
-    pages = [s.page(op.host_indices, i).clone() for i in range(done // s.P)]
-    slots = op.host_indices.tolist()
-    hp.free(op.host_indices)
-    return acks, slots, pages
-
-
-def store_files(root):
-    out = {}
-    for d, _, files in os.walk(root):
-        for f in files:
-            p = os.path.join(d, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, root)] = hashlib.sha256(fh.read()).hexdigest()
-    return out
-
-
-def dense_run(backend, store, policies):
-    args = sglang_stack.parse(DENSE)
-    s = sglang_stack.Stack(SGL, backend, args, store)
-    try:
-        t, written = sglang_stack.backup(s.ctl, s.src, s.tokens, s.hashes, Scheduler(False), 30)
-        assert written == len(s.tokens)
-        rounds = {p: dense_round(s, p) for p in policies}
-        threads = sorted(r for r in map(thread_role, threading.enumerate()) if r in SGL_THREADS)
-        src = [s.page(s.src, i).clone() for i in range(s.pages)]
-    finally:
-        s.close()
-    return rounds, store_files(store), src, threads
 
 
 def test_hit_query_runs_in_prefetch_only_when_it_cannot_wait(tmp_path):
@@ -173,13 +105,56 @@ def test_hit_query_runs_in_prefetch_only_when_it_cannot_wait(tmp_path):
             b.close()
 
 
-@pytest.mark.parametrize("backend", ["mp", "file"])
-def test_dense_same_as_stock(tmp_path, backend):
-    stock = dense_run(backend, str(tmp_path / "stock"), POLICIES)
+# --- the differential, through install() and through SGLang's plugin loader ---------------
+# The stock runs, once per workload: both routes' fast runs are compared with them.
+_STOCK: dict = {}
+
+
+def stock_run(key, run):
+    if key not in _STOCK:
+        assert not fastpath.installed()
+        _STOCK[key] = run()
+    return _STOCK[key]
+
+
+@pytest.fixture(scope="module")
+def plugin_route(tmp_path_factory):
+    """One fresh interpreter where SGLang's own load_plugins() ran the
+    hicache_mp_fastpath plugin with HICACHE_MP_FASTPATH=1 (nothing else
+    installs the fast path there), then every fast run of the differential
+    (fastpath_plugin_child.py, mode on): its report, SGLang's plugin log and
+    the runs."""
+    tmp = tmp_path_factory.mktemp("plugin-route")
+    out = str(tmp / "on.json")
+    env = dict(os.environ, HICACHE_MP_FASTPATH="1")
+    env.pop("SGLANG_PLUGINS", None)
+    child = subprocess.run([sys.executable, os.path.join(HERE, "fastpath_plugin_child.py"), "on",
+                            out, str(tmp)], env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    with open(out) as f:
+        report = json.load(f)
+    report["log"] = (tmp / "plugins.log").read_text()
+    report["runs"] = torch.load(out + ".runs.pt", weights_only=False)
+    return report
+
+
+def fast_run(request, route, key, run):
+    """The fast path's side of a comparison: install() here, or the plugin route's child."""
+    if route == "plugin":
+        return request.getfixturevalue("plugin_route")["runs"][key]
     changed = fastpath.install()
     assert "added sglang.srt.managers.cache_controller.HiCacheController._publish_prefetch_ack" \
         in changed
-    fast = dense_run(backend, str(tmp_path / "fast"), POLICIES)
+    return run()
+
+
+@pytest.mark.parametrize("route", ["install", "plugin"])
+@pytest.mark.parametrize("backend", ["mp", "file"])
+def test_dense_same_as_stock(tmp_path, backend, route, request):
+    stock = stock_run(("dense", backend),
+                      lambda: dense_run(backend, str(tmp_path / "stock"), POLICIES))
+    fast = fast_run(request, route, ("dense", backend),
+                    lambda: dense_run(backend, str(tmp_path / "fast"), POLICIES))
     src = stock[2]
     assert all(torch.equal(a, b) for a, b in zip(src, fast[2]))   # the same truth
     for p in POLICIES:
@@ -201,102 +176,15 @@ def test_dense_same_as_stock(tmp_path, backend):
     assert fast[3] == sorted(set(stock[3]) - {"prefetch_sync_thread_func"})
 
 
-# --- hybrid: HybridCacheController, batch_exists_v2 / batch_get_v2 ----------------------
-def hybrid_transfers(r, prefetch: bool, src=None, hashes=None):
-    """The PoolTransfers the components build (hybrid_rank's docstring says
-    which): for BACKUP_STORAGE with the src slots and the last hashes, for a
-    PREFETCH with placeholder keys."""
-    T, N, out = r.T, r.N, []
-    if r.pools.mamba is not None:
-        out.append(T(name=N.MAMBA, keys=["__placeholder__"] if prefetch else hashes[-1:],
-                     host_indices=None if prefetch else src["mamba"], hit_policy=r.TRAIL))
-    if r.pools.swa is not None:
-        out.append(T(name=N.SWA, keys=["__placeholder__"] * r.W if prefetch else hashes[-r.W:],
-                     host_indices=None if prefetch else src["swa"], hit_policy=r.TRAIL))
-    if r.pools.indexer is not None:
-        out.append(T(name=N.INDEXER, indices_from_pool=N.KV, keys=None if prefetch else hashes))
-    return out
-
-
-def hybrid_stage(r, op) -> None:
-    """The scheduler's hit drain: KV staging, each sidecar's, then the I/O queue."""
-    ctl, hit = r.ctl, op.storage_hit_count
-    host, n = ctl.allocate_storage_hit(op, hit, allow_partial=True,
-                                       min_tokens=ctl.prefetch_threshold,
-                                       evict_host=lambda tokens: 0)
-    assert host is not None and n == hit
-    for t in op.pool_transfers or ():
-        if t.host_indices is None and not t.indices_from_pool:
-            pool = r.group.get_pool(t.name)
-            t.host_indices = pool.alloc(min(len(t.keys), n // r.P) * pool.page_size)
-    op.host_indices = host
-    ctl.prefetch_buffer.put(op)
-
-
-def hybrid_run(geom, backend, store, policies, pages=4):
-    from array import array
-    from hicache_mp.bench.sglang import hybrid_controller, hybrid_rank, real_hybrid
-    g = real_hybrid.geometry(geom, tiny=True)
-    r = hybrid_rank.Rank(real_hybrid.load(), g, "mp", store, requests=1, max_pages=pages,
-                         workers=1)   # its pools, src pages and checks; mp's controller
-    if backend == "file":   # the same pools behind a controller on SGLang's own file backend
-        r.close()
-        r.group, r.ctl = hybrid_controller.build(r.pools, g, backend="file",
-                                                 extra={"file_storage_path": store},
-                                                 model=f"hicache-mp/{geom}")
-    key = r.Key(array("q", range(1000, 1000 + pages * r.P)))   # the same keys in every run
-    hashes = r.hash(key, None, page_size=r.P)
-    out = {}
-    try:
-        src = r.src_of(0, pages)
-        op_id = r.ctl.write_storage(src["kv"], list(key.token_ids), hashes, None,
-                                    extra_pools=hybrid_transfers(r, False, src, hashes) or None)
-        done = Scheduler(False).get(r.ctl.ack_backup_queue, time.monotonic() + 30)
-        assert done.id == op_id and done.completed_tokens == pages * r.P
-        for policy in policies:
-            ctl, deadline, sched = r.ctl, time.monotonic() + 30, Scheduler(False)
-            gate = (Gate(ctl, "batch_get" if backend == "file" else "batch_get_v1", 1)
-                    if policy != "wait_complete" else None)
-            handle = r.Handle(rid=f"h-{policy}", attempt_id=0)
-            ctl.prefetch(handle, key, None, None, extra_pools=hybrid_transfers(r, True) or None)
-            op = sched.get(ctl.prefetch_hit_queue, deadline)
-            hybrid_stage(r, op)
-            if gate is not None:   # terminated (best_effort: scheduled; timeout: deadline)
-                assert gate.arrived.wait(10)   # while its KV batch is in flight
-                ctl.terminate_prefetch(op)
-                gate.go.set()
-            acks = []
-            while not acks or not acks[-1][2]:
-                a = sched.get(ctl.ack_prefetch_queue, deadline)
-                acks.append((a.completed_tokens, dict(a.pool_hits) if a.pool_hits is not None
-                             else None, bool(a.completed_req)))
-            slots = {"kv": op.host_indices.tolist()}
-            for t in op.pool_transfers or ():
-                if t.host_indices is not None and not t.indices_from_pool:
-                    slots[t.name.value] = t.host_indices.tolist()
-            if policy == "wait_complete":   # every KV and sidecar page checked, then freed
-                r.finish(pages, {handle.rid: [0, op, acks[0][0]]}, policy)
-            else:   # the sidecar was skipped by design: its staging only freed
-                r.group.free(op.host_indices)
-                for t in op.pool_transfers or ():
-                    if t.host_indices is not None and not t.indices_from_pool:
-                        r.group.get_pool(t.name).free(t.host_indices)
-            out[policy] = (acks, slots)
-        out["wrong"], out["checked"] = r.wrong, r.checked
-        out["files"] = store_files(store)
-    finally:
-        r.close()
-    return out
-
-
+@pytest.mark.parametrize("route", ["install", "plugin"])
 @pytest.mark.parametrize("backend", ["mp", "file"])
 @pytest.mark.parametrize("geom", ["mamba", "swa", "dsa"])
-def test_hybrid_same_as_stock(tmp_path, geom, backend):
-    policies = ("wait_complete", "best_effort")
-    stock = hybrid_run(geom, backend, str(tmp_path / "stock"), policies)
-    fastpath.install()
-    fast = hybrid_run(geom, backend, str(tmp_path / "fast"), policies)
-    for p in policies:
+def test_hybrid_same_as_stock(tmp_path, geom, backend, route, request):
+    stock = stock_run((geom, backend), lambda: hybrid_run(
+        geom, backend, str(tmp_path / "stock"), HYBRID_POLICIES))
+    fast = fast_run(request, route, (geom, backend), lambda: hybrid_run(
+        geom, backend, str(tmp_path / "fast"), HYBRID_POLICIES))
+    for p in HYBRID_POLICIES:
         assert stock[p] == fast[p], p
     assert stock["wrong"] == fast["wrong"] == 0 and stock["checked"] == fast["checked"] > 0
     assert stock["files"] == fast["files"] and stock["files"]
@@ -471,26 +359,32 @@ def test_handoffs_per_batch(tmp_path):
     assert waits["stock"] > waits["fast"]
 
 
-# --- the launcher: hicache-mp sglang-serve -- <launch_server args> -------------------------
-def test_sglang_serve_launcher(capsys):
-    import pickle
-    from hicache_mp import cli
-    from hicache_mp.integrations.sglang import serve
-    with pytest.raises(SystemExit) as e:
-        cli.main(["sglang-serve", "--help"])
-    assert e.value.code == 0 and "LAUNCH_SERVER_ARGS" in capsys.readouterr().out
-    # another SGLang: refused before anything starts, nothing patched
-    assert serve.main(["--model-path", "x"], version="0.6.0") == 2
-    assert "built and tested for SGLang 0.5.23" in capsys.readouterr().err
-    assert not fastpath.installed()
-    # the arguments after -- reach SGLang's own parser, after the install
-    with pytest.raises(SystemExit) as e:
-        cli.main(["sglang-serve", "--", "--help"])
-    assert e.value.code == 0 and fastpath.installed()
-    out = capsys.readouterr()
-    assert "--model-path" in out.out and "fast path installed" in out.err
-    # SGLang spawns its schedulers: the entry it is given travels by name
-    assert pickle.loads(pickle.dumps(serve.run_scheduler_process)) is serve.run_scheduler_process
+# --- the plugin route: SGLang's loader installs it (its differential runs above) -----------
+def test_plugin_route_installs_the_fast_path_through_sglangs_hooks(plugin_route):
+    """In the plugin route's fresh interpreter, after SGLang's load_plugins()
+    with HICACHE_MP_FASTPATH=1: every method the fast path replaces or adds
+    runs the fast path's code (SGLang's REPLACE wrappers call it), its classes
+    are in cache_controller, and SGLang's log names the plugin and its
+    distribution for every hooked method, beside the plugin's own line."""
+    r, log = plugin_route, plugin_route["log"]
+    want = {f"{cls}.{name}" for _, cls, holder, _ in fastpath_methods.TARGETS
+            for name, fn in vars(holder).items() if inspect.isfunction(fn)}
+    assert set(r["methods"]) == want and len(want) >= 20
+    assert {k for k, v in r["methods"].items() if v != "fast"} == set()
+    assert r["installed"] and r["added"] == ["HandoffQueue", "StorageSwitchInterval"]
+    assert "Loaded plugin hicache_mp_fastpath from group sglang.srt.plugins" in log
+    assert "Executed general plugin: hicache_mp_fastpath" in log
+    assert "hicache_mp: SGLang storage fast path registered with SGLang's HookRegistry" in log
+    for mod, cls, _, stock_name in [(m, c, None, n) for m, c, h, _ in fastpath_methods.TARGETS
+                                    for n in vars(h) if f"{c}.{n}" in fastpath.STOCK_SOURCES]:
+        assert (f"Applied 1 hook(s) to {mod}.{cls}.{stock_name} "
+                f"(from: plugin=hicache_mp_fastpath, dist=hicache_mp)") in log, stock_name
+    assert " ERROR " not in log and "Failed to apply hooks" not in log
+    # the line a server's scheduler shows (its AFTER hook on HiCacheController.__init__),
+    # once per controller the differential built: dense, and hybrid through super()
+    for cls in ("HiCacheController", "HybridCacheController"):
+        assert (f"hicache_mp: {cls} built with the SGLang storage fast path "
+                f"(HICACHE_MP_FASTPATH=1)") in log, cls
 
 
 # --- HandoffQueue: the scheduler's put() hands the GIL to the woken storage thread ----------

@@ -3,15 +3,18 @@
 `install()` puts the methods of `fastpath_methods` on SGLang 0.5.23's
 `HiCacheController` and `HybridCacheController`, and the default of the one
 method it asks backends (`hit_query_at_once`) on `HiCacheStorage` (see that
-module for what changes and why) and returns what it changed; `uninstall()` puts SGLang's
-own back, and refuses (`FastPathInUse`, nothing changed) while a cache
-controller still runs storage threads started under the fast path: their
-loops call the fast path's methods and names, which uninstall() removes. `install_through_hooks()` is the same change made through SGLang's plugin
-framework (its `HookRegistry`), which is how the `hicache_mp_fastpath` plugin
-(hicache_mp_sglang_plugin) installs it in every process SGLang loads plugins
-in. `patched_source()` writes the same methods into SGLang's source
-text, which is how the upstream patch in upstream/ is made
-(scripts/sglang_fastpath_patch.py) and checked (tests/integrations/).
+module for what changes and why) and returns what it changed.
+`install_through_hooks()` makes the same change through SGLang's plugin
+framework (REPLACE hooks registered with its `HookRegistry`): it is what the
+`hicache_mp_fastpath` plugin (the top-level hicache_mp_sglang_plugin module)
+calls in every process SGLang loads plugins in (decision 108).
+`uninstall()` puts SGLang's own methods back after either, and refuses
+(`FastPathInUse`, nothing changed) while a cache controller still runs
+storage threads started under the fast path: their loops call the fast
+path's methods and names, which uninstall() removes. `patched_source()`
+writes the same methods into SGLang's source text, which is how the
+upstream patch in upstream/ is made (scripts/sglang_fastpath_patch.py) and
+checked (tests/integrations/).
 
 Only the version it was built and tested against is patched: any other
 SGLang raises `FastPathVersionError`, because the methods replaced are
@@ -19,8 +22,9 @@ copies of that version's with a few lines changed, and on another version
 they would silently undo its fixes.
 
 Owns the patching of those three classes and nothing else; must not import
-SGLang at module level (the CLI's --help loads it without SGLang), touch
-an engine, or change any other SGLang class.
+SGLang at module level (its checks come first, so another SGLang is refused
+before any of its modules is imported for it), touch an engine, or change
+any other SGLang class.
 """
 from __future__ import annotations
 
