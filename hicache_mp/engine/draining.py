@@ -15,6 +15,7 @@ poll that finds nothing costs one read of the workers' PUSHED words
 through shm.gilkeep (decision 74: no numpy reduction, sort or unique here,
 each of which may let the GIL go).
 """
+import struct
 import time
 
 import numpy as np
@@ -27,6 +28,13 @@ from workers.records import KIND_PROBE
 from .discovery import Discovery
 from .index import StoreIndex
 from .ledger import OpLedger
+
+# RECORD_DTYPE's fields as a struct, the digest skipped: (op_id, host_page,
+# io_ns, page_pos, kind, status, err); a drain up to SMALL_DRAIN_BYTES of
+# records is unpacked with it (Draining.apply_small).
+_RECORD = struct.Struct("<QqQIBBH32x")
+assert _RECORD.size == RECORD_DTYPE.itemsize
+SMALL_DRAIN_BYTES = 8 * RECORD_DTYPE.itemsize
 from .storescan import StoreScan
 
 
@@ -66,7 +74,11 @@ class Draining:
                     parts.append(handle.completion_ring.pop_bytes())
         n = 0
         if parts:
-            n = self.apply(np.frombuffer(b"".join(parts), dtype=RECORD_DTYPE), batch_min)
+            raw = b"".join(parts)
+            if len(raw) <= SMALL_DRAIN_BYTES and len(raw) < batch_min * RECORD_DTYPE.itemsize:
+                n = self.apply_small(raw, batch_min)
+            else:
+                n = self.apply(np.frombuffer(raw, dtype=RECORD_DTYPE), batch_min)
         self.side_rings()
         return n
 
@@ -93,6 +105,18 @@ class Draining:
     def ring(self, ring, batch_min: int) -> int:
         """One completion ring, whole; the page completions applied."""
         return self.apply(np.frombuffer(ring.pop_bytes(), dtype=RECORD_DTYPE), batch_min)
+
+    def apply_small(self, raw: bytes, batch_min: int) -> int:
+        """A drain of a few records (a busy loop's usual one: a page or two),
+        unpacked as tuples: numpy's per-call costs (frombuffer, the probe
+        mask, a tolist per field) were most of a one-page drain (issue 45).
+        Probes take the array path."""
+        rows = list(_RECORD.iter_unpack(raw))
+        for row in rows:
+            if row[4] == KIND_PROBE:
+                return self.apply(np.frombuffer(raw, dtype=RECORD_DTYPE), batch_min)
+        self.ledger.settle_rows(rows, time.perf_counter_ns())
+        return len(rows)
 
     def apply(self, recs, batch_min: int) -> int:
         """Completion records popped from the rings, in landed order; the page

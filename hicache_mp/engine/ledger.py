@@ -219,6 +219,20 @@ class OpLedger:
                 self.apply_many(op, part["page_pos"], part["status"], part["io_ns"],
                                 part["err"], seqs, now)
 
+    def settle_rows(self, rows, now: int) -> None:
+        """`settle` of a few page completions as tuples (op_id, host_page,
+        io_ns, page_pos, kind, status, err), in landed order, page by page
+        (a drain this small is under every `batch_min`)."""
+        seq = self._seq
+        self._seq += len(rows)
+        self._worker_pages += len(rows)   # hicache_mp.engine.waiters, note 1
+        ops, apply = self._ops, self.apply
+        for op_id, _, io_ns, pos, _, code, err in rows:
+            op = ops.get(op_id)
+            if op is not None:
+                apply(op, pos, code, io_ns, err, now, seq)
+            seq += 1
+
     def _each(self, recs, seqs, now: int) -> None:
         ops, apply = self._ops, self.apply
         for op_id, pos, code, io_ns, err, seq in zip(
