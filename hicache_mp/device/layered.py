@@ -92,6 +92,46 @@ class LayerCopies:
                 rows.copy_(stage, non_blocking=True)
             return self._event(self.store_stream, (stage, idx))
 
+    # --- side pools: rows of several planes per page (SWA tokens, Mamba slots) ---
+    def load_rows(self, host: torch.Tensor, first: int, n: int, planes: list, rows_per_page: int,
+                  rows: torch.Tensor, after=None):
+        """Queue slots [first, first+n) of an opaque-bytes pool (a page: for each
+        plane in order, `rows_per_page` rows) into `planes` at `rows`; the event."""
+        views = [row_view(t) for t in planes]
+        run = host[first:first + n].reshape(n, -1).view(torch.uint8)
+        with stream_context(self.load_stream):
+            if after is not None and self.cuda:
+                self.load_stream.wait_event(after)
+            stage = run.to(self.device, non_blocking=True) if self.cuda else run
+            idx = rows.to(self.device, non_blocking=True)
+            off = 0
+            for v in views:
+                width = rows_per_page * v.shape[1]
+                v.index_copy_(0, idx, stage[:, off:off + width].reshape(-1, v.shape[1]))
+                off += width
+            return self._event(self.load_stream, (stage, idx))
+
+    def store_rows(self, host: torch.Tensor, first: int, n: int, planes: list, rows_per_page: int,
+                   rows: torch.Tensor, ready=()):
+        """Queue `planes` at `rows` (n pages) into slots [first, first+n); the event."""
+        views = [row_view(t) for t in planes]
+        run = host[first:first + n].reshape(n, -1).view(torch.uint8)
+        with stream_context(self.store_stream):
+            if self.cuda:
+                for ev in ready:
+                    self.store_stream.wait_event(ev)
+            idx = rows.to(self.device, non_blocking=True)
+            stage = torch.empty(run.shape, dtype=torch.uint8, device=self.device) \
+                if self.cuda else run
+            off = 0
+            for v in views:
+                width = rows_per_page * v.shape[1]
+                stage[:, off:off + width] = v.index_select(0, idx).reshape(n, width)
+                off += width
+            if self.cuda:
+                run.copy_(stage, non_blocking=True)
+            return self._event(self.store_stream, (stage, idx))
+
     def _event(self, stream, keep):
         if not self.cuda:
             return DONE

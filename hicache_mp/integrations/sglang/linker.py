@@ -26,11 +26,14 @@ store: the reader (`read_parts` layer groups, a slot per group) and the writer
 advances when SGLang calls in (the forward's waits, the scheduler's offload
 checks), so a busy scheduler loses nothing to a thread of ours.
 
-What it serves: dense MHA (`MHATokenToKVPool`), MLA (`MLATokenToKVPool`) and
-the full-attention layers of SWA models (`SWAKVPool`; SGLang tombstones the
-SWA window itself when a linker has no SWA pool). Mamba state is not served:
-lookup answers no hit where a MAMBA transfer is asked, so such a model
-recomputes. Must not: do page I/O (the workers do), copy bytes itself
+What it serves (`linker_pools`): dense MHA (`MHATokenToKVPool`), MLA
+(`MLATokenToKVPool`), SWA models (`SWAKVPool`: the sliding window's pages as
+a side pool) and Mamba hybrids (`HybridLinearKVPool`: the state slot as a
+side pool). Side pools are read whole, one op per pool per batch, and land
+before any layer is released (their layers interleave with the full ones);
+their pages are the linker's own layout (`SidePool.describe` in the
+namespace), so only the full-attention KV pages are shared with the HiCache
+path. Must not: do page I/O (the workers do), copy bytes itself
 (`device.layered` does), or read another object's private fields.
 """
 from __future__ import annotations
@@ -59,6 +62,7 @@ from ...device.layered import LayerCopies
 from ...engine import PrefetchEngine
 from ..common import check_known, engine_config, store_dirs
 from ..common.options import settable_keys
+from . import linker_pools
 from .backend import node_ranks, server_identity
 from .names import SGLangShard
 from .settings import storage_dir
@@ -83,22 +87,6 @@ class LinkerError(RuntimeError):
     """Why a load batch did not land: the pages' statuses."""
 
 
-def device_planes(params) -> tuple[list, int, bool, object]:
-    """(planes[kv][layer], store dtype, mla, device pool) of the KV pool the
-    linker serves; ValueError naming what it serves for anything else."""
-    kvcache = params.token_to_kv_pool_allocator.get_kvcache()
-    pool = getattr(kvcache, "full_kv_pool", kvcache)  # SWAKVPool: its full-attention layers
-    if hasattr(pool, "k_buffer") and hasattr(pool, "v_buffer"):
-        return [list(pool.k_buffer), list(pool.v_buffer)], pool.k_buffer[0].dtype, False, pool
-    if hasattr(pool, "kv_buffer"):
-        return [list(pool.kv_buffer)], pool.kv_buffer[0].dtype, True, pool
-    raise ValueError(
-        f"hicache_mp's linker serves dense MHA and MLA KV pools (SGLang's MHATokenToKVPool, "
-        f"MLATokenToKVPool, and SWAKVPool's full-attention layers); {type(kvcache).__name__} "
-        "is not one of them. Use --enable-hierarchical-cache with --hicache-storage-backend "
-        "dynamic and hicache_mp's HiCache backend for other pools")
-
-
 def auto_groups(layers: int, page_bytes: int) -> int:
     """The most layer groups (at most 8) that divide `layers` and keep a group's
     reads at 1 MiB or more: smaller reads cost more in opens than they gain."""
@@ -111,10 +99,10 @@ def auto_groups(layers: int, page_bytes: int) -> int:
 
 class PulledCounter(LayerWiseLoadCounter):
     """SGLang's counter, whose waits drive the loads: `wait_until(l)` asks the
-    linker to land layer l's group (sleeping GIL-released on the engine's
+    linker to land what layer l reads (sleeping GIL-released on the engine's
     semaphore, never spinning) and returns once the forward's stream is
-    ordered after that group's copy. A failed group is left for `finish()`
-    to report, as SGLang's counter does."""
+    ordered after those copies. A failed batch is left for `finish()` to
+    report, as SGLang's counter does."""
 
     def __init__(self, num_layers: int, linker: "HiCacheMPLinker"):
         super().__init__(num_layers)
@@ -124,16 +112,34 @@ class PulledCounter(LayerWiseLoadCounter):
         self.linker.need_layer(self.consumer_index, threshold)
 
 
+class _Side:
+    """One side pool's engine, planes and slots (SWA's window, Mamba's state)."""
+
+    def __init__(self, pool: "linker_pools.SidePool", engine: PrefetchEngine, pages: int):
+        self.pool, self.engine = pool, engine
+        self.free = _Runs(pages)
+
+
+class _Request:
+    """One queued load: per pool (None: KV), its keys, device rows and first slot."""
+
+    def __init__(self, rid: str):
+        self.rid = rid
+        self.parts: dict = {}
+
+
 class _Batch:
-    """One start_layer_wise_loading: its requests' pages, slots, ops and copies."""
+    """One start_layer_wise_loading: its requests, ops and copies."""
 
     def __init__(self, index: int, groups: int):
         self.index = index
-        self.requests = []            # (rid, keys, tokens, first slot)
-        self.ops = [None] * groups    # one read op per layer group
-        self.ready = None             # the scheduler's stream at start: it made the indices
+        self.requests: list = []
+        self.ops = [None] * groups     # one read op per layer group
         self.events = [None] * groups  # the group's copy, once queued
-        self.failed = None            # the first error
+        self.side_ops: dict = {}       # side pool -> its read op
+        self.side_events: dict = {}    # side pool -> its copy, once queued
+        self.ready = None              # the scheduler's stream at start: it made the indices
+        self.failed = None             # the first error
 
 
 class HiCacheMPLinker(UnifiedCacheLinker):
@@ -147,17 +153,13 @@ class HiCacheMPLinker(UnifiedCacheLinker):
             raise ValueError(f"hicache_mp linker: unknown linker_extra_config key(s) {unknown}; "
                              f"known: {sorted(OWN_KEYS)} and the engine settings "
                              "(docs/flags.md)")
-        planes, dtype, mla, self.device_pool = device_planes(params)
-        layers = len(planes[0])
-        first = planes[0][0]
-        heads, dim = (1, first[0].numel()) if mla else (first.shape[1], first[0][0].numel())
-        self.geometry = PageGeometry(num_layers=layers, num_kv_heads=int(heads),
-                                     head_dim=int(dim), page_size=self.page_size,
-                                     dtype=str(dtype).removeprefix("torch."), mla=mla)
+        dp = linker_pools.read(params, self.page_size, components)
+        self.geometry, layers = dp.geometry, dp.geometry.num_layers
         groups = int(extra.pop("layer_groups", 0) or 0) or \
             auto_groups(layers, self.geometry.page_bytes)
         self.geometry.layer_part(groups)  # ValueError now, naming the divisors, if it does not divide
         self.groups, self.group_layers = groups, layers // groups
+        self.full_layer = dp.full_layer
         self.load_pages = int(extra.pop("load_pages", 256))
         offload_pages = int(extra.pop("offload_pages", 64))
         offload_workers = int(extra.pop("offload_workers", 1))
@@ -168,7 +170,7 @@ class HiCacheMPLinker(UnifiedCacheLinker):
                              "and load_timeout_s must be positive")
 
         tp_rank, tp_size = _tp(params)
-        self.replicated = mla
+        mla = self.geometry.mla
         self.offload_owner = not mla or tp_rank == 0  # MLA ranks hold the same pages
         shard = SGLangShard(model_name=getattr(server_args, "model_path", None),
                             tp_rank=tp_rank, tp_size=tp_size,
@@ -182,69 +184,109 @@ class HiCacheMPLinker(UnifiedCacheLinker):
         root = store_dirs(storage_dir(extra), log=log, who="hicache_mp linker")
         extra.pop("storage_dir", None)
         names = shard.engine_names()
-        device = first.device
-        self.copies = LayerCopies(planes, device)
+        self.copies = LayerCopies(dp.planes, dp.planes[0][0].device)
         self.reader = self.writer = None
+        self.side: dict = {}
+        self._closed = None  # close() before everything exists closes what was made
         try:
             self.reader = PrefetchEngine(engine_config(
                 extra, storage_dir=root, host_pool_pages=groups * self.load_pages,
                 defaults={"node_engines": node_ranks(shard)}, read_parts=groups,
                 **names), self.geometry)
-            writer_extra = {k: v for k, v in extra.items() if k != "num_workers"}
+            fixed_workers = {k: v for k, v in extra.items() if k != "num_workers"}
             self.writer = PrefetchEngine(engine_config(
-                writer_extra, storage_dir=root, host_pool_pages=offload_pages,
+                fixed_workers, storage_dir=root, host_pool_pages=offload_pages,
                 num_workers=offload_workers, **names), self.geometry)
             self.copies.register(self.reader.host_pool.tensor)
             self.copies.register(self.writer.host_pool.tensor)
+            for name, pool in dp.side.items():
+                side_names = dict(names, namespace_extra=f"{names['namespace_extra']}"
+                                  f"|linker-pool={name}|{pool.describe()}")
+                pages = self.load_pages + offload_pages
+                eng = PrefetchEngine(engine_config(
+                    fixed_workers, storage_dir=root, host_pool_pages=pages,
+                    num_workers=offload_workers, **side_names), pool.geometry())
+                self.side[name] = _Side(pool, eng, pages)
+                self.copies.register(eng.host_pool.tensor)
         except BaseException:
             self.close()
             raise
-        self.pools = {PoolName.KV: self.device_pool}
-        self.layer_done_counter = PulledCounter(layers, self)
+        self.pools = {PoolName.KV: dp.full_pool}
+        for name, side in self.side.items():
+            self.pools[_POOL[name]] = side.pool.pool
+        self.layer_done_counter = PulledCounter(dp.counter_layers, self)
+        if "mamba" in self.side:  # Mamba's state waits on the request pool (as Mooncake's)
+            params.req_to_token_pool.register_layer_transfer_counter(self.layer_done_counter)
         self._load_free = _Runs(groups * self.load_pages)
         self._offload_free = _Runs(offload_pages)
-        self._queued: dict = {}           # rid -> (keys, tokens, first slot)
+        self._queued: dict = {}           # rid -> _Request
         self._batches: dict = {}          # counter index -> _Batch
-        self._offloads = deque()          # [event, keys, tokens, first slot, n, op, result]
+        self._offloads = deque()          # [parts, ok]: part = [engine, runs, event, keys, first, n, op]
         self._results = deque()
         self._closed = False
-        log.info("hicache_mp linker: %s, %d layers in %d groups, store %s, tp %d/%d%s",
-                 "MLA" if mla else "MHA", layers, groups, root, tp_rank, tp_size,
+        log.info("hicache_mp linker: %s, %d layers in %d groups%s, store %s, tp %d/%d%s",
+                 "MLA" if mla else "MHA", layers, groups,
+                 "".join(f", {n} pool" for n in self.side), root, tp_rank, tp_size,
                  "" if self.offload_owner else " (MLA: rank 0 writes)")
 
     # --- lookups and loads (scheduler thread) -----------------------------
     def lookup(self, rid: str, transfers) -> list[int]:
-        if any(t.name == PoolName.MAMBA for t in transfers):
-            return []  # Mamba state is not served (module docstring): recompute
-        kv = _kv(transfers)
-        if kv is None or not kv.keys:
+        by = _by_pool(transfers)
+        kv = by.get(None)
+        if kv is None or not kv.keys or any(n not in self.side for n in by if n):
             return []
+        keys = list(kv.keys)
         try:
-            n = self.reader.exists(list(kv.keys))  # the index; unknown keys are probed by workers
+            n = self.reader.exists(keys)  # the index; unknown keys are probed by workers
         except KeyRefused:
             return []
-        return list(range(1, n + 1))
+        ok = list(range(1, n + 1))
+        swa = by.get("swa")
+        if swa is not None and ok:  # a length needs the window of SWA pages that ends there
+            have = self.side["swa"].engine.present(keys[:n]).tolist()
+            window = len(swa.keys) if len(swa.keys) < len(keys) else n
+            ok = [m for m in ok if all(have[max(0, m - window):m])]
+        if "mamba" in by and ok:  # and the Mamba state saved at its last page
+            have = self.side["mamba"].engine.present(keys[:n]).tolist()
+            ok = [m for m in ok if have[m - 1]]
+        return ok
 
     def load(self, rid: str, transfers) -> bool:
-        kv = _kv(transfers)
-        if kv is None or kv.device_indices is None or not kv.keys:
-            return False
+        by = _by_pool(transfers)
         if rid in self._queued:
             raise RuntimeError(f"hicache_mp linker: a load for rid={rid} is already queued")
-        n = len(kv.keys)
-        if len(kv.device_indices) != n * self.page_size:
+        if not by or any(n not in self.side for n in by if n):
             return False
-        first = self._load_free.take(n * self.groups)
-        if first is None:
-            return False  # the load pool is full: SGLang recomputes this request
-        self._queued[rid] = (list(kv.keys), kv.device_indices, first)
+        req = _Request(rid)
+        for name, t in by.items():
+            if t.device_indices is None or not t.keys:
+                continue
+            n = len(t.keys)
+            per = self.page_size if name in (None, "swa") else 1
+            runs = self._load_free if name is None else self.side[name].free
+            first = runs.take(n * (self.groups if name is None else 1)) \
+                if len(t.device_indices) == n * per else None
+            if first is None:  # a full load pool: SGLang recomputes this request
+                self._give_back(req)
+                return False
+            req.parts[name] = (list(t.keys), t.device_indices, first)
+        if not req.parts:
+            return False
+        self._queued[rid] = req
         return True
 
+    def _give_back(self, req: _Request) -> None:
+        for name, (keys, _rows, first) in req.parts.items():
+            if name is None:
+                self._load_free.give(first, len(keys) * self.groups)
+            else:
+                self.side[name].free.give(first, len(keys))
+
     def cancel_queued_load(self, rid: str) -> bool:
-        queued = self._queued.pop(rid, None)
-        if queued is None:
+        req = self._queued.pop(rid, None)
+        if req is None:
             return False
-        self._load_free.give(queued[2], len(queued[0]) * self.groups)
+        self._give_back(req)
         return True
 
     def start_layer_wise_loading(self) -> int:
@@ -252,85 +294,129 @@ class HiCacheMPLinker(UnifiedCacheLinker):
             return -1
         index = self.layer_done_counter.update_producer()
         batch = _Batch(index, self.groups)
-        batch.requests = [(rid, *q) for rid, q in self._queued.items()]
+        batch.requests = list(self._queued.values())
         self._queued = {}
         self._batches[index] = batch
         if self.copies.cuda:  # the slots' indices were made on the scheduler's stream
             batch.ready = torch.cuda.Event()
             batch.ready.record()
-        # The slots may still be read by an earlier batch's copy: the copy event
-        # of a finished batch was waited for in finish(), so they are free.
         try:
-            for g in range(self.groups):
-                keys, slots = [], []
-                for _rid, ks, _tokens, first in batch.requests:
-                    n = len(ks)
-                    keys.extend(ks)
-                    slots.extend(range(first + g * n, first + (g + 1) * n))
-                batch.ops[g] = self.reader.prefetch(
-                    keys, slots, parts=[g] * len(keys) if self.groups > 1 else None,
-                    policy="wait_complete")
+            for name, side in self.side.items():
+                keys, slots = self._batch_pages(batch, name, 0, 1)
+                if keys:
+                    batch.side_ops[name] = side.engine.prefetch(keys, slots,
+                                                                policy="wait_complete")
+            for g in range(self.groups):  # group-major: every worker reads group 0 first
+                keys, slots = self._batch_pages(batch, None, g, self.groups)
+                if keys:
+                    batch.ops[g] = self.reader.prefetch(
+                        keys, slots, parts=[g] * len(keys) if self.groups > 1 else None,
+                        policy="wait_complete")
         except Exception as exc:  # refused before any byte moved: fail the batch, not the server
             batch.failed = exc
             log.error("hicache_mp linker: load batch %d not started: %s", index, exc)
         return index
+
+    @staticmethod
+    def _batch_pages(batch: _Batch, name, g: int, groups: int) -> tuple[list, list]:
+        """The keys and slots of group g of pool `name` over the batch's requests."""
+        keys, slots = [], []
+        for req in batch.requests:
+            if name in req.parts:
+                ks, _rows, first = req.parts[name]
+                n = len(ks)
+                keys.extend(ks)
+                slots.extend(range(first + g * n, first + (g + 1) * n))
+        return keys, slots
 
     def need_layer(self, index: int, layer: int) -> None:
         """The forward's wait for `layer` of batch `index` (PulledCounter)."""
         batch = self._batches.get(index)
         if batch is None or batch.failed is not None:
             return
-        g = layer // self.group_layers
-        self._land(batch, g)
-        ev = batch.events[g]
-        if ev is not None and self.copies.cuda:
-            torch.cuda.current_stream().wait_event(ev)
+        events = self._land_sides(batch)
+        local = self.full_layer.get(layer)
+        if local is not None:
+            g = local // self.group_layers
+            self._land(batch, g)
+            events.append(batch.events[g])
+        if self.copies.cuda:
+            stream = torch.cuda.current_stream()
+            for ev in events:
+                if ev is not None:
+                    stream.wait_event(ev)
         self._issue_landed(batch)  # later groups that landed meanwhile go now
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
         batch = self._batches.pop(counter_index, None)
+        counter = self.layer_done_counter
         if batch is None:
-            return self.layer_done_counter.finish(counter_index)
+            return counter.finish(counter_index)
+        self._land_sides(batch)
         for g in range(self.groups):
-            if batch.failed is None:
-                self._land(batch, g)
-        for g, ev in enumerate(batch.events):
+            self._land(batch, g)
+        for ev in [*batch.events, *batch.side_events.values()]:
             if ev is not None:
                 ev.synchronize()  # the device rows are written before SGLang uses or frees them
-        for g, op in enumerate(batch.ops):
+        pending = [(self.reader, op) for op in batch.ops] + \
+            [(self.side[n].engine, op) for n, op in batch.side_ops.items()]
+        for eng, op in pending:
             if op is not None and not op.done:
-                self.reader.abandon(op)
-        counter = self.layer_done_counter
-        for layer in range(self.geometry.num_layers):
-            g = layer // self.group_layers
-            if batch.failed is None and batch.events[g] is not None:
+                eng.abandon(op)  # nothing may write the slots once they are given back
+        if batch.failed is None:
+            for layer in range(counter.num_layers):
                 counter.complete(counter_index, layer)
-        if batch.failed is not None:
+        else:
             counter.fail(counter_index, batch.failed)
-        for _rid, keys, _tokens, first in batch.requests:
-            self._load_free.give(first, len(keys) * self.groups)
+        for req in batch.requests:
+            self._give_back(req)
         return counter.finish(counter_index)
+
+    def _wait_ok(self, batch: _Batch, engine, op, what: str) -> bool:
+        if op is None:
+            return True
+        if not op.done:
+            engine.wait(op, self.load_timeout_s)
+        if op.done and op.status == "ok":
+            return True
+        why = "timed out after %.0f s" % self.load_timeout_s if not op.done \
+            else f"pages {op.status_counts()}"
+        batch.failed = LinkerError(f"hicache_mp linker: {what} of batch {batch.index}: {why}")
+        log.error("%s", batch.failed)
+        return False
+
+    def _land_sides(self, batch: _Batch) -> list:
+        """Every side pool's pages read and their copies queued; the copies' events."""
+        for name, op in batch.side_ops.items():
+            if name in batch.side_events or batch.failed is not None:
+                continue
+            side = self.side[name]
+            if not self._wait_ok(batch, side.engine, op, f"the {name} pool"):
+                break
+            host, last = side.engine.host_pool.tensor, None
+            for req in batch.requests:
+                if name in req.parts:
+                    keys, rows, first = req.parts[name]
+                    last = self.copies.load_rows(host, first, len(keys), side.pool.planes,
+                                                 side.pool.rows_per_page, rows, after=batch.ready)
+            batch.side_events[name] = last
+        return list(batch.side_events.values())
 
     def _land(self, batch: _Batch, g: int) -> None:
         """Group g of `batch` read and its copy queued, or `batch.failed` set."""
         if batch.events[g] is not None or batch.failed is not None:
             return
-        op = batch.ops[g]
-        if not op.done:
-            self.reader.wait(op, self.load_timeout_s)
-        if not op.done or op.status != "ok":
-            why = "timed out after %.0f s" % self.load_timeout_s if not op.done \
-                else f"pages {op.status_counts()}"
-            batch.failed = LinkerError(f"hicache_mp linker: layer group {g} of batch "
-                                       f"{batch.index}: {why}")
-            log.error("%s", batch.failed)
+        if not self._wait_ok(batch, self.reader, batch.ops[g], f"layer group {g}"):
             return
         host = self.reader.host_pool.tensor
         layer0 = g * self.group_layers
         last = None
-        for _rid, keys, tokens, first in batch.requests:
-            n = len(keys)
-            last = self.copies.load(host, first + g * n, n, layer0, tokens, after=batch.ready)
+        for req in batch.requests:
+            if None in req.parts:
+                keys, tokens, first = req.parts[None]
+                n = len(keys)
+                last = self.copies.load(host, first + g * n, n, layer0, tokens,
+                                        after=batch.ready)
         batch.events[g] = last
 
     def _issue_landed(self, batch: _Batch) -> None:
@@ -344,53 +430,76 @@ class HiCacheMPLinker(UnifiedCacheLinker):
 
     # --- offloads ---------------------------------------------------------
     def offload(self, transfers, session_id=None) -> bool:
-        kv = _kv(transfers)
-        if kv is None or kv.device_indices is None or not kv.keys:
+        by = _by_pool(transfers)
+        kv = by.get(None)
+        if kv is None or kv.device_indices is None or not kv.keys or \
+                any(n not in self.side for n in by if n):
             return False
         if not self.offload_owner:
             self._results.append(True)  # MLA: rank 0 writes the pages every rank holds
             return True
-        keys = list(kv.keys)
-        n = len(keys)
-        if len(kv.device_indices) != n * self.page_size:
-            return False
-        if all(self.writer.present(keys)):
-            self._results.append(True)  # stored already (by this path or HiCache's)
-            return True
-        first = self._offload_free.take(n)
-        if first is None:
-            return False  # offloads in flight fill the pool: this one is shed, never queued
-        event = self.copies.store(self.writer.host_pool.tensor, first, n, kv.device_indices,
-                                  self.record_offload_ready())
-        self._offloads.append([event, keys, first, n, None])
+        parts, ready = [], None
+        for name, t in by.items():
+            if t.device_indices is None or not t.keys:
+                continue
+            keys = list(t.keys)
+            eng = self.writer if name is None else self.side[name].engine
+            if all(eng.present(keys)):
+                continue  # stored already (by this path, or HiCache's for the KV pages)
+            n = len(keys)
+            per = self.page_size if name in (None, "swa") else 1
+            runs = self._offload_free if name is None else self.side[name].free
+            first = runs.take(n) if len(t.device_indices) == n * per else None
+            if first is None:  # offloads in flight fill the pool: shed, never queued
+                for p in parts:
+                    p[1].give(p[4], p[5])
+                return False
+            if ready is None:
+                ready = self.record_offload_ready()
+            host = eng.host_pool.tensor
+            if name is None:
+                event = self.copies.store(host, first, n, t.device_indices, ready)
+            else:
+                side = self.side[name].pool
+                event = self.copies.store_rows(host, first, n, side.planes, side.rows_per_page,
+                                               t.device_indices, ready)
+            parts.append([eng, runs, event, keys, first, n, None])
+        self._offloads.append([parts, True])
         return True
 
     def _advance_offloads(self) -> None:
-        if not self._offloads:
-            return
-        self.writer.poll()
+        """Backups of copied offloads started; finished offloads counted, in order."""
         while self._offloads:
             job = self._offloads[0]
-            event, keys, first, n, op = job
-            if op is None:
-                if not event.query():
-                    return
-                try:
-                    job[4] = op = self.writer.backup(keys, range(first, first + n))
-                except Exception as exc:
-                    log.error("hicache_mp linker: offload of %d pages not written: %s", n, exc)
-                    self._finish_offload(first, n, False)
+            parts = job[0]
+            for part in parts:
+                eng, _runs, event, keys, first, n, op = part
+                if op is None:
+                    if not event.query():
+                        return
+                    try:
+                        part[6] = eng.backup(keys, range(first, first + n))
+                    except Exception as exc:
+                        log.error("hicache_mp linker: offload of %d pages not written: %s",
+                                  n, exc)
+                        part[6] = False
+            for part in parts:
+                op = part[6]
+                if op is False:
+                    job[1] = False
                     continue
-            if not op.done:
-                return
-            if op.status == "ok":
-                self.reader.mark_present(keys)  # the reader's index: found by the next lookup
-            self._finish_offload(first, n, op.status == "ok")
-
-    def _finish_offload(self, first: int, n: int, ok: bool) -> None:
-        self._offloads.popleft()
-        self._offload_free.give(first, n)
-        self._results.append(ok)
+                if not op.done:
+                    part[0].poll()
+                if not op.done:
+                    return
+                if op.status != "ok":
+                    job[1] = False
+                elif part[0] is self.writer:
+                    self.reader.mark_present(part[3])  # found by the next lookup
+            self._offloads.popleft()
+            for part in parts:
+                part[1].give(part[4], part[5])
+            self._results.append(job[1])
 
     def num_completed_offloads(self) -> int:
         self._advance_offloads()
@@ -407,38 +516,54 @@ class HiCacheMPLinker(UnifiedCacheLinker):
             self.finish_layer_wise_loading(index)
         for rid in list(self._queued):
             self.cancel_queued_load(rid)
-        while self._offloads:
-            event, _keys, first, n, op = self._offloads[0]
-            event.synchronize()
-            if op is not None and not op.done:
-                self.writer.wait(op, self.load_timeout_s)
-            self._advance_offloads()
-            if self._offloads and self._offloads[0][4] is op and op is not None and not op.done:
-                self.writer.abandon(op)
-                self._finish_offload(first, n, False)
+        for parts, _ok in self._offloads:
+            for eng, _runs, event, _keys, _first, _n, op in parts:
+                event.synchronize()
+                if op not in (None, False) and not op.done:
+                    eng.wait(op, self.load_timeout_s)
+                    if not op.done:
+                        eng.abandon(op)
+        self._advance_offloads()
+        for parts, _ok in self._offloads:  # copies that never started a backup
+            for part in parts:
+                part[1].give(part[4], part[5])
+        self._offloads.clear()
         self._results.clear()
         self.layer_done_counter.reset()
 
     def close(self) -> None:
-        if getattr(self, "_closed", True) is False:
+        if self._closed is False:
             try:
                 self.reset()
             except Exception as exc:  # closing must go on: the engines hold processes
                 log.warning("hicache_mp linker: reset before close failed: %s", exc)
         self._closed = True
         self.copies.close()
-        for eng in (self.reader, self.writer):
+        for eng in [self.reader, self.writer, *(s.engine for s in self.side.values())]:
             if eng is not None:
                 eng.close()
 
     def worker_pids(self) -> dict:
-        """The reader's and the writer's worker processes, by engine."""
-        return {"reader": self.reader.worker_pids(), "writer": self.writer.worker_pids()}
+        """Each engine's worker processes: reader, writer and one per side pool."""
+        out = {"reader": self.reader.worker_pids(), "writer": self.writer.worker_pids()}
+        out.update({name: s.engine.worker_pids() for name, s in self.side.items()})
+        return out
 
     def metrics(self) -> dict:
-        """The two engines' metrics, for operators."""
-        return {"reader": self.reader.metrics(), "writer": self.writer.metrics(),
-                "groups": self.groups}
+        """Each engine's metrics, for operators."""
+        out = {"reader": self.reader.metrics(), "writer": self.writer.metrics(),
+               "groups": self.groups}
+        out.update({name: s.engine.metrics() for name, s in self.side.items()})
+        return out
+
+
+_POOL = {"swa": PoolName.SWA, "mamba": PoolName.MAMBA}
+_NAME = {PoolName.KV: None, PoolName.SWA: "swa", PoolName.MAMBA: "mamba"}
+
+
+def _by_pool(transfers) -> dict:
+    """Transfers by side-pool name (None: the KV pool); another pool by its own name."""
+    return {_NAME.get(t.name, str(t.name)): t for t in transfers}
 
 
 class _ModelName:
@@ -475,11 +600,6 @@ class _Runs:
         self.free = merged
 
 
-def _kv(transfers):
-    for t in transfers:
-        if t.name == PoolName.KV:
-            return t
-    return None
 
 
 def _tp(params) -> tuple[int, int]:
