@@ -55,7 +55,6 @@ except ImportError as _exc:
         "0.5.23 with what its unified radix cache imports (sglang.srt.mem_cache.unified_cache"
         f" could not be imported: {_exc})") from _exc
 
-from shm import PageGeometry
 from workers.naming import KeyRefused
 
 from ...device.layered import LayerCopies
