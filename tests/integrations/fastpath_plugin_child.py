@@ -196,6 +196,8 @@ def main_scheduler_entry(out: str, tmp: str) -> None:
     shm = load_snapshot.shm_path_for(ports.instance_id)
 
     def report(result: dict, rc: int) -> None:
+        import psutil
+        result["children"] = [p.pid for p in psutil.Process().children(recursive=True)]
         with open(out, "w") as f:
             json.dump(result, f)
         if os.path.exists(shm):

@@ -144,6 +144,8 @@ def test_sglangs_scheduler_process_loads_the_plugin(tmp_path):
         assert "init_hicache" in sched_out and "_cuda_host_register" in sched_out
         assert "Torch not compiled with CUDA enabled" in sched_out
         assert "Load weight end" in sched_out and "KV Cache is allocated" in sched_out
+    # nothing left: no process under it when it ended, no segment of SGLang's
+    assert r["children"] == []
     assert {n for n in os.listdir("/dev/shm") if n.startswith("sglang")} <= shm_before
 
 
