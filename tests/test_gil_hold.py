@@ -6,6 +6,7 @@ draining and asking must keep it; only the one sleep of a blocking wait may
 give it up. `giltrace.released_in` finds any C call (or operator line) during
 which another thread ran, on the numpy and Python installed here.
 """
+import threading
 import time
 
 import numpy as np
@@ -37,8 +38,34 @@ def _settle(eng, op):
 
 
 def test_sleep_releases_are_found():
-    """The finder itself: a call that lets the GIL go is named."""
-    _, found = released_in(time.sleep, 0, switch_s=0.3)  # each release found costs switch_s
+    """The finder itself: a call during which another thread ran is named.
+
+    One sleep(0) lets the GIL go for microseconds, and the finder's counter
+    thread may not run inside them (on a busy machine it once did not), so
+    the call sleeps until the counter has run twice (an increment between):
+    seen by a profile hook that threading.setprofile puts on the threads
+    started meanwhile, the counter being the only one. The counter runs
+    only while this thread lets the GIL go, which it does only in its
+    sleeps (or after holding it a whole switch interval, 0.5 s here, which a
+    loop of sleeps does not). A finder that misses a release, or whose
+    counter never runs, fails the assert (the loop gives up after 60 s)."""
+    main = threading.get_ident()
+    counter_looks = [0]  # the counter's `while not stop.is_set()`
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "is_set" and threading.get_ident() != main:
+            counter_looks[0] += 1
+
+    def sleep_until_the_counter_ran():
+        deadline = time.monotonic() + 60
+        while counter_looks[0] < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    threading.setprofile(hook)
+    try:
+        _, found = released_in(sleep_until_the_counter_ran, switch_s=0.5)
+    finally:
+        threading.setprofile(None)
     assert any("sleep" in what for _, what in found), found
 
 
