@@ -5,7 +5,9 @@ Builds one store of tiny page files written straight in the page-file
 format (hicache_mp.bench.bigstore), grown to each size in turn, and at each
 size starts a fresh `mp` engine and prints:
 
-  - ctor_s: the constructor's wall time (what SGLang's attach waits for);
+  - ctor_s: the constructor's wall time (what SGLang's attach waits for),
+    beside that of an engine over an empty store made just before it (the
+    part no store size changes: the workers' start, under the same load);
   - exists_s: the first exists() of 64 keys spread over the store, made at
     once after the constructor, while the scan runs (it must count all 64:
     keys the index does not know yet go through the workers' probes);
@@ -56,13 +58,28 @@ def grow(root: str, geometry: PageGeometry, ns: str, size: int) -> float:
     """Grow the store to `size` pages; the seconds it took."""
     marker = os.path.join(root, COUNT_FILE)
     have = int(open(marker).read()) if os.path.exists(marker) else 0
-    if have >= size:
+    if have > size:
+        raise SystemExit(f"{root} holds {have} pages, more than {size}: measure the sizes in "
+                         f"increasing order, in another --dir")
+    if have == size:
         return 0.0
     t0 = time.perf_counter()
     bigstore.build(root, geometry, ns, size - have, start=have)
     with open(marker, "w") as f:
         f.write(str(size))
     return time.perf_counter() - t0
+
+
+def empty_ctor_s(root: str, geometry: PageGeometry, workers: int) -> float:
+    """The constructor over an empty store: what start-up costs whatever the store."""
+    empty = os.path.join(root, "empty")
+    t0 = time.perf_counter()
+    eng = PrefetchEngine(EngineConfig(storage_dir=empty, num_workers=workers,
+                                      host_pool_pages=SAMPLE), geometry)
+    took = time.perf_counter() - t0
+    eng.close()
+    shutil.rmtree(empty, ignore_errors=True)
+    return took
 
 
 def one_size(root: str, geometry: PageGeometry, size: int, args) -> dict:
@@ -147,9 +164,12 @@ def main() -> int:
           f"{bigstore.file_bytes(geometry)} bytes, {args.workers} workers, {os.cpu_count()} CPUs, "
           f"load {os.getloadavg()[0]:.1f}")
     ok = True
+    scratch = args.dir.rstrip("/") + ".scratch"
     try:
+        empty_ctor_s(scratch, geometry, args.workers)  # the process's first engine: one-time costs
         for size in sizes:
             built = grow(args.dir, geometry, ns, size)
+            base = empty_ctor_s(scratch, geometry, args.workers)
             r = one_size(args.dir, geometry, size, args)
             n = r["sample"]
             good = r["exists"] == n and r["exists_absent"] == 0 and \
@@ -157,7 +177,8 @@ def main() -> int:
                 r["scan"]["complete"] and (not args.limit or r["capacity_exact"])
             ok = ok and good
             line = (f"{size:>9} pages (built in {built:.1f} s): ctor {r['ctor_s']:.3f} s "
-                    f"(index {r['indexed_at_ctor']} at return); exists {r['exists']}/{n} in "
+                    f"(empty store's just before: {base:.3f} s; index {r['indexed_at_ctor']} at "
+                    f"return); exists {r['exists']}/{n} in "
                     f"{r['exists_s'] * 1e3:.1f} ms, absent key {r['exists_absent']}; prefetch "
                     f"{r['prefetch']}; scan whole at {r['scan_s']:.2f} s, index {r['indexed']}; "
                     f"poll() during it {r['poll_ms_total']:.0f} ms over {r['polls']} polls, "
@@ -170,6 +191,7 @@ def main() -> int:
                 line += f"; before: the constructor's walk {r['before_walk_s']:.2f} s"
             print(line + ("" if good else "  <-- WRONG"), flush=True)
     finally:
+        shutil.rmtree(scratch, ignore_errors=True)
         if args.clean:
             shutil.rmtree(args.dir, ignore_errors=True)
     print("all answers correct" if ok else "SOME ANSWERS WRONG")

@@ -115,11 +115,19 @@ class Evictor:
     def run(self) -> int:
         self.control.words[EVICTOR_PID] = os.getpid()
         orphaned = False
+        # Started with its engine, the first pass waits for the engine's post
+        # (its workers are ready) or interval_s: a pass walks the whole store,
+        # and beside the workers' start on a small machine it would make the
+        # engine's start grow with the store (decision 110).
+        hold = self.cfg.get("hold_first_pass", False)
         while not self.control.stopping():
             if self.parent.gone():
                 orphaned = True
                 break
-            self.one_pass()
+            if hold:
+                hold = False
+            else:
+                self.one_pass()
             deadline = time.monotonic() + self.interval_s
             while not self.control.stopping() and not self.parent.gone():
                 left = deadline - time.monotonic()
@@ -270,10 +278,14 @@ class EvictorProcess:
         self.evicted_pages = 0
         self.evicted_bytes = 0
 
-    def start(self, timeout_s: float = 60.0, *, wait: bool = True) -> None:
-        """Launch the evictor; with `wait`, until it says ready (else see `check_start`)."""
+    def start(self, timeout_s: float = 60.0, *, wait: bool = True,
+              hold_first_pass: bool = False) -> None:
+        """Launch the evictor; with `wait`, until it says ready (else see
+        `check_start`). `hold_first_pass`: its first pass waits for a post of
+        `wake` (or interval_s)."""
         self.control.words[EVICTOR_PID] = 0
-        self.child = Child("workers.evictor", "hicache_mp-evictor", json.dumps(self.cfg),
+        cfg = dict(self.cfg, hold_first_pass=hold_first_pass)
+        self.child = Child("workers.evictor", "hicache_mp-evictor", json.dumps(cfg),
                            ready_word=lambda: self.control.words[EVICTOR_PID])
         self.timeout_s = timeout_s
         if wait:

@@ -172,6 +172,8 @@ class WorkerIO:
         # process, so the constructor returns whatever the store holds, and
         # the scanner's start does not compete with the workers' (decision 110).
         self.store_scan.start(ctx.store)
+        if self.evictor is not None:
+            self.evictor.wake.post()  # its first pass, held until now (workers.evictor)
 
     # --- the protocol: each call hands over to one part ------------------------------
     def check_accepting(self) -> None:

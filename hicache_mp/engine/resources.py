@@ -278,7 +278,9 @@ def _build(res: Resources, config: EngineConfig, geometry: PageGeometry, pool_fd
                                      storage_dir=config.storage_dir,
                                      interval_s=config.eviction_interval_s, headroom=headroom)
         segments.append(res.evictor)
-        res.evictor.start(config.worker_start_timeout_s)
+        # Its first pass walks the whole store: held until the workers are
+        # ready (WorkerIO posts it), so it does not slow their start.
+        res.evictor.start(config.worker_start_timeout_s, hold_first_pass=True)
         orphan_shm.append(res.evictor.ring.name)
         orphan_sem.append(res.evictor.wake.name)
     res.scanner = ScannerProcess(tag=res.tag, control=control, storage_dir=config.storage_dir)
