@@ -23,3 +23,9 @@ timeout 480 python3 scripts/bench_linker.py --rounds 5 --store /tmp ${fs:-} \
   --json "$out/linker.json" "$@" > "$out/linker.log" 2>&1
 echo "bench_linker rc=$? in $((SECONDS - t0))s"
 grep -v "^INFO\|Warning\|warnings.warn" "$out/linker.log" | tail -n 30
+# Beside it, SGLang's HiCache path with mp for the same 2 GiB: storage -> host
+# through SGLang's real HiCacheController (its own layer-wise H2D follows).
+timeout 150 python3 scripts/sglang_stack.py --backends mp --round-mib 2048 --page-mib 8 \
+  --runs 3 --no-mixed --no-trace --store /tmp --json "$out/stack.json" > "$out/stack.log" 2>&1
+echo "sglang_stack rc=$? in $((SECONDS - t0))s"
+grep -v "^INFO\|Warning\|warnings.warn" "$out/stack.log" | tail -n 12
