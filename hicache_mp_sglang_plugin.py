@@ -35,17 +35,19 @@ def load() -> None:
         log.error("hicache_mp: %s=%r is neither 1 (the SGLang storage fast path) nor 0 "
                   "(SGLang's stock path); SGLang keeps its stock storage path", OPT_IN, value)
         return
+    fastpath = None
     try:
         from hicache_mp.integrations.sglang import fastpath
         changed = fastpath.install_through_hooks()
     except Exception as exc:   # noqa: BLE001 - the server must start, stock
         # A FastPathError (another version, non-stock methods) says what to
-        # do in one line; an import that fails (SGLang's own modules) is named.
-        # Either is raised before anything is changed or registered, so one
-        # line is all there is to say, and the server runs on, stock.
+        # do; anything else (an import of SGLang's that fails) is named. Both
+        # are raised before anything is changed or registered, so one line
+        # is all there is to say, and the server runs on, stock.
+        why = (str(exc) if fastpath is not None and isinstance(exc, fastpath.FastPathError)
+               else f"{type(exc).__name__}: {exc}")
         log.error("hicache_mp: the SGLang storage fast path is not installed, SGLang keeps "
-                  "its stock storage path: %s%s", "" if "FastPath" in type(exc).__name__
-                  else f"{type(exc).__name__}: ", exc)
+                  "its stock storage path: %s", why)
         return
     log.info("hicache_mp: SGLang storage fast path registered with SGLang's HookRegistry "
              "(%d changes, pid %d)", len(changed), os.getpid())

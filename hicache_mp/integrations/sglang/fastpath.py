@@ -225,7 +225,7 @@ def install_through_hooks(*, version: str | None = None) -> list[str]:
         HookRegistry.register(f"{cls.__module__}.{cls.__qualname__}.{name}", fn,
                               HookType.REPLACE)
     changed = _apply(plan, replace)
-    controller = plan[0][0].HiCacheController   # CLASSES go first: cache_controller
+    controller = importlib.import_module("sglang.srt.managers.cache_controller").HiCacheController
     _INSTALLED.append((controller, "__init__", vars(controller)["__init__"]))
     HookRegistry.register(f"{controller.__module__}.HiCacheController.__init__", _log_built,
                           HookType.AFTER)
