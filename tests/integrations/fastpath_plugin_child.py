@@ -86,9 +86,9 @@ def stock_state() -> dict:
     hooked = []
     for mod, cls_name, holder, _ in fastpath_methods.TARGETS:
         cls = getattr(importlib.import_module(mod), cls_name)
-        for name in vars(holder):
+        for name, own in vars(holder).items():
             fn = vars(cls).get(name)
-            if fn is not None and hasattr(fn, "__wrapped__"):
+            if isinstance(own, types.FunctionType) and hasattr(fn, "__wrapped__"):
                 hooked.append(f"{cls_name}.{name}")
     return {"hooked": hooked, "installed": fastpath.installed(),
             "added": [n for n in ("HandoffQueue", "StorageSwitchInterval")
