@@ -90,10 +90,11 @@ def one_size(root: str, geometry: PageGeometry, size: int, args) -> dict:
     sample = rng.sample(range(size), min(SAMPLE, size))  # size 0: the constant part alone
     keys = [bigstore.page_key(i) for i in sample]
     out = {"pages": size}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     eng = PrefetchEngine(cfg, geometry)
     try:
         out["ctor_s"] = time.perf_counter() - t0
+        out["ctor_cpu_ms"] = (time.thread_time() - c0) * 1e3
         out["indexed_at_ctor"] = eng.metrics()["index_pages"]
         t = time.perf_counter()
         out["exists"] = eng.exists(keys)
@@ -105,13 +106,14 @@ def one_size(root: str, geometry: PageGeometry, size: int, args) -> dict:
                     bigstore.payload(i, geometry.page_bytes) for s, i in enumerate(sample))
         out["prefetch"] = f"{op.status}, {len(keys) - wrong}/{len(keys)} exact"
         out["sample"] = len(keys)
-        polls, poll_s, longest = 0, 0.0, 0.0
+        polls, poll_s, longest, poll_cpu, longest_cpu = 0, 0.0, 0.0, 0.0, 0.0
         capacity_s = None
         while True:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             eng.poll()
-            dt = time.perf_counter() - t
+            dt, dc = time.perf_counter() - t, time.thread_time() - c
             polls, poll_s, longest = polls + 1, poll_s + dt, max(longest, dt)
+            poll_cpu, longest_cpu = poll_cpu + dc, max(longest_cpu, dc)
             scan = eng.metrics()["store_scan"]
             if scan["state"] != "scanning" and "scan_s" not in out:
                 out["scan_s"] = time.perf_counter() - t0
@@ -127,6 +129,7 @@ def one_size(root: str, geometry: PageGeometry, size: int, args) -> dict:
         out["scan"] = scan
         out["indexed"] = eng.metrics()["index_pages"]
         out["polls"], out["poll_ms_total"], out["poll_ms_max"] = polls, poll_s * 1e3, longest * 1e3
+        out["poll_cpu_ms_total"], out["poll_cpu_ms_max"] = poll_cpu * 1e3, longest_cpu * 1e3
         if args.limit:
             out["capacity_s"] = capacity_s
             out["capacity_exact"] = out.get("capacity_estimate") == \
@@ -134,9 +137,10 @@ def one_size(root: str, geometry: PageGeometry, size: int, args) -> dict:
     finally:
         eng.close()
     if args.before:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         n = StoreIndex(root).scan()
         out["before_walk_s"] = time.perf_counter() - t
+        out["before_walk_cpu_s"] = time.thread_time() - c
         out["before_pages"] = n
     return out
 
@@ -176,19 +180,21 @@ def main() -> int:
                 r["prefetch"].endswith(f"{n}/{n} exact") and r["indexed"] == size and \
                 r["scan"]["complete"] and (not args.limit or r["capacity_exact"])
             ok = ok and good
-            line = (f"{size:>9} pages (built in {built:.1f} s): ctor {r['ctor_s']:.3f} s "
-                    f"(empty store's just before: {base:.3f} s; index {r['indexed_at_ctor']} at "
-                    f"return); exists {r['exists']}/{n} in "
+            line = (f"{size:>9} pages (built in {built:.1f} s): ctor {r['ctor_s']:.3f} s, "
+                    f"{r['ctor_cpu_ms']:.0f} ms CPU of this thread (empty store's just before: "
+                    f"{base:.3f} s; index {r['indexed_at_ctor']} at return); exists {r['exists']}/{n} in "
                     f"{r['exists_s'] * 1e3:.1f} ms, absent key {r['exists_absent']}; prefetch "
                     f"{r['prefetch']}; scan whole at {r['scan_s']:.2f} s, index {r['indexed']}; "
-                    f"poll() during it {r['poll_ms_total']:.0f} ms over {r['polls']} polls, "
-                    f"longest {r['poll_ms_max']:.2f} ms")
+                    f"poll() during it {r['poll_ms_total']:.0f} ms over {r['polls']} polls "
+                    f"({r['poll_cpu_ms_total']:.0f} ms CPU), longest {r['poll_ms_max']:.2f} ms "
+                    f"({r['poll_cpu_ms_max']:.2f} ms CPU)")
             if args.limit:
                 line += (f"; capacity counted at {r['capacity_s'] or float('nan'):.2f} s, "
                          f"estimate {r.get('capacity_estimate')} "
                          f"({'exact' if r['capacity_exact'] else 'NOT exact'})")
             if args.before:
-                line += f"; before: the constructor's walk {r['before_walk_s']:.2f} s"
+                line += (f"; before: the constructor's walk {r['before_walk_s']:.2f} s "
+                         f"({r['before_walk_cpu_s']:.2f} s CPU)")
             print(line + ("" if good else "  <-- WRONG"), flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""StoreScan: the `mp` engine's scans of the store, walked by a scanner process and taken into the index a share per poll.
+"""StoreScan: the `mp` engine's scans of the store, taken into the index a share per poll.
 
 Owns when a scan starts (once the workers are ready, so the constructor
 returns whatever the store holds; again for a rescan, after the one running),
@@ -8,7 +8,7 @@ finished. Must not walk the store (workers.scanner does, in its own process)
 nor decide what the index believes of a digest (hicache_mp.engine.index:
 add_scanned, the scan's state and whether the index is whole).
 
-Why a share per poll: each digest taken costs this thread about 0.35 us of
+Why a share per poll: each digest taken costs this thread about 0.35 µs of
 Python (a bytes slice and a set insert), so a million pages cost ~0.35 s of
 the scheduler's time in all. Taken at once that would be one long step; a
 share of TAKE_PER_POLL costs ~0.35 ms and a million pages are in after
