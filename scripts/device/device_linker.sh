@@ -22,7 +22,14 @@ nproc
 timeout 480 python3 scripts/bench_linker.py --rounds 5 --store /tmp ${fs:-} \
   --json "$out/linker.json" "$@" > "$out/linker.log" 2>&1
 echo "bench_linker rc=$? in $((SECONDS - t0))s"
-grep -v "^INFO\|Warning\|warnings.warn" "$out/linker.log" | tail -n 30
+grep -v "^INFO\|Warning\|warnings.warn" "$out/linker.log" | tail -n 12
+# Finer groups (2 and 1 layers a group) beside the same whole-prefix baseline.
+for g in 16 32; do
+  timeout 150 python3 scripts/bench_linker.py --rounds 5 --store /tmp --groups $g \
+    --json "$out/linker-g$g.json" "$@" > "$out/linker-g$g.log" 2>&1
+  echo "bench_linker groups=$g rc=$? in $((SECONDS - t0))s"
+  grep -v "^INFO\|Warning\|warnings.warn" "$out/linker-g$g.log" | tail -n 6
+done
 # Beside it, SGLang's HiCache path with mp for the same 2 GiB: storage -> host
 # through SGLang's real HiCacheController (its own layer-wise H2D follows).
 timeout 150 python3 scripts/sglang_stack.py --backends mp --round-mib 2048 --page-mib 8 \
