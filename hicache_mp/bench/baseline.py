@@ -99,6 +99,9 @@ class ThreadedFileIO(InProcessThreads):
             if op.page_status[pos] == st.PENDING:  # not dropped over the backup budget
                 q.put((op, pos))
 
+    def quiet(self) -> bool:  # poll() always drains the completion deque
+        return False
+
     def drain(self, lazy: bool = False) -> int:  # in-process: nothing to be lazy about
         n = 0
         while self._done:

@@ -100,6 +100,10 @@ class EngineCore(IndexLookups, Closing, Ownership):
             rescan=self._start_rescan, start_ns=self._start_ns))
         self.backend = self._io.name
         self.host_pool = self._io.host_pool
+        # poll()'s fast path: a backend with nothing to do answers at once, with
+        # no lock taken (issue 45: a busy loop polls every step). Not with
+        # periodic rescans, whose clock poll() watches.
+        self._quiet = None if config.rescan_interval_s else self._io.quiet
         self._own()
 
     # --- open, closed, forked -------------------------------------------------
@@ -198,6 +202,10 @@ class EngineCore(IndexLookups, Closing, Ownership):
         """Apply finished pages to their ops. Cheap and non-blocking: call every
         loop. EngineClosed once the engine is closed. `lazy`: only once an op
         may be done, a probe is answered or a ring fills (decision 88)."""
+        quiet = self._quiet
+        if quiet is not None and not self._closed and not self._forked and quiet():
+            self._poll_calls += 1
+            return 0
         self._check_open()
         try:
             with self._lock:

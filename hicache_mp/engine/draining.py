@@ -28,6 +28,7 @@ from workers.records import KIND_PROBE
 from .discovery import Discovery
 from .index import StoreIndex
 from .ledger import OpLedger
+from .storescan import StoreScan
 
 # RECORD_DTYPE's fields as a struct, the digest skipped: (op_id, host_page,
 # io_ns, page_pos, kind, status, err); a drain up to SMALL_DRAIN_BYTES of
@@ -35,7 +36,6 @@ from .ledger import OpLedger
 _RECORD = struct.Struct("<QqQIBBH32x")
 assert _RECORD.size == RECORD_DTYPE.itemsize
 SMALL_DRAIN_BYTES = 8 * RECORD_DTYPE.itemsize
-from .storescan import StoreScan
 
 
 class Draining:
@@ -93,6 +93,14 @@ class Draining:
             for digest in evictor.pop()["digest"]:
                 discard(digest.tobytes())
         self.scan.take()
+
+    def quiet(self) -> bool:
+        """Nothing for a poll to do here (the engine's fast path, without its
+        lock): no completion pushed since the last pass over the rings, nothing
+        on the evict ring, no store scan being taken into the index."""
+        evictor = self.evictor
+        return self.control.pushed_now() == self._pushed and not self.index.scanning and \
+            (evictor is None or not evictor.ring.pending())
 
     def due(self) -> bool:
         """For poll(lazy=True) (decision 88): whether the rings may hold what a

@@ -64,6 +64,11 @@ class IOBackend(Protocol):
     def drain(self, lazy: bool = False) -> int:
         """Completions into the ledger; the pages applied. `lazy`: decision 88."""
 
+    def quiet(self) -> bool:
+        """True only if a drain now would do nothing at all (nothing landed,
+        no side work, no check due): poll()'s fast path, called without the
+        engine's lock. False is always safe."""
+
     def cancel(self, op: Op) -> None:
         """Pages of `op` not yet started are skipped."""
 

@@ -198,6 +198,9 @@ class WorkerIO:
         return self.discovery.ask(keys, whole, self.namespace, self.index.digests,
                                   self.striping.probe)
 
+    def quiet(self) -> bool:
+        return not self.pool.closed and self.draining.quiet() and not self.supervisor.due()
+
     def drain(self, lazy: bool = False) -> int:
         if self.pool.closed:
             return 0

@@ -75,6 +75,10 @@ class Supervisor:
     _watched_at: float = field(default_factory=time.monotonic, init=False)
     _watch_from_ns: int = field(default=0, init=False)
 
+    def due(self) -> bool:
+        """Whether the next maybe_check() would run the health check."""
+        return time.monotonic() - self._last_health > HEALTH_CHECK_S
+
     def maybe_check(self) -> bool:
         """The health check, when HEALTH_CHECK_S has passed since the last:
         whether it ran (the drain's other periodic work rides on it)."""
