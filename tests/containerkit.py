@@ -5,14 +5,16 @@ own mount namespace (`unshare -m`) with a small tmpfs mounted on /dev/shm, as
 a pod's emptyDir or Docker's 64 MiB default is. The machine's /dev/shm is
 never touched, and the tmpfs goes with the namespace. A scenario starts
 engines in further children: as pid 1 of a new PID namespace (`unshare -p -f
---mount-proc`, as a container's entrypoint is), or as uid 1000 (`setpriv`).
-Every child runs this file (`python containerkit.py ROLE JSON`) and prints
+--mount-proc`, as a container's entrypoint is), or as uid 1000 (`setpriv`)
+with the interpreter that runs the suite, wherever it lies (`_user_python`:
+in root's 0700 home too, a venv or not). Every child runs this file (`python containerkit.py ROLE JSON`) and prints
 one `RESULT <json>` line. Torch-free but for the SGLang scenario.
 """
 import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -24,12 +26,8 @@ MID = dict(num_layers=4, num_kv_heads=4, head_dim=64, page_size=16)  # 64 KiB pa
 USER = 1000
 
 
-_SITE = []  # site-packages of a bind-mounted interpreter (_user_python)
-
-
 def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([PATH, *_SITE]),
-            "PYTHONDONTWRITEBYTECODE": "1"}
+    return {**os.environ, "PYTHONPATH": PATH, "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def _result(proc_stdout: str, stderr: str, rc) -> dict:
@@ -58,7 +56,11 @@ def in_private_shm(size: str, scenario: str, args: dict, timeout_s: float = 120)
     proc = subprocess.run(["unshare", "-m", "sh", "-c", cmd, sys.executable, __file__, scenario,
                            json.dumps(args)], capture_output=True, text=True, env=_env(),
                           timeout=timeout_s)
-    return _result(proc.stdout, proc.stderr, proc.returncode)
+    got = _result(proc.stdout, proc.stderr, proc.returncode)
+    if "skip" in got:
+        import pytest
+        pytest.skip(got["skip"])
+    return got
 
 
 # --- inside the namespace -----------------------------------------------------
@@ -157,25 +159,130 @@ def users(args: dict) -> dict:
     return out
 
 
-def _user_python() -> str:
-    """An interpreter uid USER can run with its packages: this one, or (when it
-    lives under a home USER may not enter, as /root/.pyenv) its installation
-    bind-mounted, in this mount namespace only, where USER can reach it."""
-    probe = ["setpriv", "--reuid", str(USER), "--regid", str(USER), "--clear-groups"]
-    code = "import numpy, posix_ipc, psutil"
-    if subprocess.run([*probe, sys.executable, "-c", code], capture_output=True).returncode == 0:
-        return sys.executable
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", "/mnt"], check=True)
-    os.mkdir("/mnt/python", 0o755)
-    subprocess.run(["mount", "--bind", "-o", "ro", sys.base_prefix, "/mnt/python"], check=True)
-    exe = os.path.join("/mnt/python", os.path.relpath(os.path.realpath(sys.executable),
-                                                       os.path.realpath(sys.base_prefix)))
-    # its site.py does not find site-packages under the new prefix: name it
-    import sysconfig
-    _SITE.append(os.path.join("/mnt/python", os.path.relpath(sysconfig.get_paths()["purelib"],
-                                                              sys.base_prefix)))
-    subprocess.run([*probe, exe, "-c", code], check=True, env=_env())
-    return exe
+class CannotRun(Exception):
+    """uid USER cannot run the interpreter here, even with the directories on
+    its way opened up: the scenario ends at once and its test skips with this."""
+
+
+def _user_python(python: str = sys.executable) -> str:
+    """`python`, made runnable by uid USER with every package it has, in this
+    mount namespace only; CannotRun (with the reason) where it stays out of reach.
+
+    An interpreter often lies in a home only its owner may enter: pyenv's in
+    /root (0700), a venv beside it or inside it, whose bin/python3 is a
+    symlink into the base installation and whose site-packages lie outside
+    that installation. Whatever directory on the way to one of them USER may
+    not enter is opened up (_open_up): the paths stay the same, so the venv's
+    pyvenv.cfg, sys.executable (which the engine starts its workers with)
+    and every site directory work as they do for root."""
+    opened = set()
+    while True:  # one closed directory at a time, the outermost first
+        closed = sorted({d for p in _interpreter_paths(python) for d in _closed_dirs(p)},
+                        key=lambda d: d.count(os.sep))
+        if not closed:
+            break
+        # a failure, not a skip: the kit itself no longer opens a directory up
+        assert closed[0] not in opened, f"{closed[0]} is still closed after _open_up"
+        _open_up(closed[0])
+        opened.add(closed[0])
+    # setpriv execs `python` with root's capabilities still in effect (they
+    # go at that exec), so only an exec of the uid's own tells: the one the
+    # engine makes of sys.executable for each worker.
+    again = ("import subprocess, sys; sys.exit(subprocess.run([sys.executable, '-c', "
+             "'import numpy, posix_ipc, psutil']).returncode)")
+    probe = subprocess.run(["setpriv", "--reuid", str(USER), "--regid", str(USER),
+                            "--clear-groups", python, "-c", again],
+                           capture_output=True, text=True, env=_env())
+    if probe.returncode != 0:
+        raise CannotRun(f"uid {USER} cannot run {python} with its packages, even with the "
+                        f"directories on its way opened up in a private mount namespace: "
+                        f"{(probe.stderr or probe.stdout).strip()[-300:]}")
+    return python
+
+
+def _interpreter_paths(python: str) -> list:
+    """What `python` reads at its start and imports from, as it says itself:
+    the binary behind its symlinks, its prefixes (a venv's and the base
+    installation's) and every directory on its sys.path."""
+    code = ("import json, os, sys; print(json.dumps([sys.executable, os.path.realpath("
+            "sys.executable), sys.prefix, sys.base_prefix, sys.exec_prefix, "
+            "sys.base_exec_prefix, *[p for p in sys.path if os.path.isabs(p)]]))")
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, env=_env(),
+                         check=True).stdout
+    paths = json.loads(out)
+    return sorted({p for p in paths + [os.path.realpath(p) for p in paths] if os.path.exists(p)})
+
+
+def _closed_dirs(path: str) -> list:
+    """The directories on the way to `path` (it included, if a directory)
+    that a uid neither owning them nor in their group cannot pass through."""
+    closed, at = [], os.sep
+    for part in path.strip(os.sep).split(os.sep):
+        if not os.stat(at).st_mode & 0o001:
+            closed.append(at)
+        at = os.path.join(at, part)
+        if os.path.islink(at):  # its target is on the list as a path of its own
+            return closed
+    if os.path.isdir(at) and not os.stat(at).st_mode & 0o001:
+        closed.append(at)
+    return closed
+
+
+_MS_BIND, _MS_REC = 0x1000, 0x4000
+
+
+def _mount(source: str, target: str, fstype=None, flags: int = 0, options=None) -> None:
+    """mount(2) itself: one call per entry, where mount(8) would be a process each."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    args = [None if a is None else a.encode() for a in (source, target, fstype)]
+    if libc.mount(*args, flags, None if options is None else options.encode()) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
+
+
+def _open_up(directory: str) -> None:
+    """Show `directory` as mode 0755 in this mount namespace, with every entry
+    it holds as it is: a tmpfs over it, and each entry bind-mounted from the
+    original (reached through a descriptor opened before). Each entry keeps
+    its own owner, mode, contents and writability (root's engines in the
+    scenario may keep a store there); only passing through is opened."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        names = os.listdir(fd)
+        _mount("tmpfs", directory, "tmpfs", 0, "mode=0755,size=1m")
+        for name in names:
+            target = os.path.join(directory, name)
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                os.symlink(os.readlink(name, dir_fd=fd), target)
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                os.mkdir(target)
+            else:
+                open(target, "w").close()  # a mount point for a file, socket or FIFO
+            _mount(f"/proc/self/fd/{fd}/{name}", target, None, _MS_BIND | _MS_REC)
+    finally:
+        os.close(fd)
+
+
+def venv_user(args: dict) -> dict:
+    """An engine of uid USER started from `python` (its workers with it):
+    what it says, and what is left in /dev/shm after its close. Where uid
+    USER cannot run this interpreter the test skips; where it can, but not
+    `python` made from it, that is the answer (`cannot_run`) unless
+    `may_skip`."""
+    _user_python()
+    try:
+        python = _user_python(args["python"])
+    except CannotRun as exc:
+        if args.get("may_skip"):
+            raise
+        return {"cannot_run": str(exc)}
+    out = _run(_as_uid(python, USER), "engine", {"store": args["store"], "pages": 8,
+                                                 "workers": 1, "write": "v"})
+    out["left"] = left_in_shm()
+    return out
 
 
 def _older_engines_leftovers() -> None:
@@ -332,7 +439,7 @@ def engine(args: dict) -> None:
     from faultkit import backup, content, get, make, prefetch
     e = make(args["store"], geo=args.get("geo", MID), pages=args["pages"], workers=args["workers"])
     info = {"pid": os.getpid(), "stale_removed": len(e.stale_removed),
-            "workers": e.worker_count()}
+            "workers": e.worker_count(), "python": sys.executable}
     if args.get("read"):
         op = prefetch(e, [args["read"]], [1])
         info["read_ok"] = bool(op.ok_pages == 1 and get(e, 1) == content(args["read"], e.geometry.page_bytes))
@@ -350,6 +457,9 @@ def engine(args: dict) -> None:
 if __name__ == "__main__":
     sys.path[:0] = PATH.split(os.pathsep)
     role, given = sys.argv[1], json.loads(sys.argv[2])
-    got = globals()[role](given)
+    try:
+        got = globals()[role](given)
+    except CannotRun as exc:
+        got = {"skip": str(exc)}
     if got is not None:
         print("RESULT " + json.dumps(got), flush=True)
