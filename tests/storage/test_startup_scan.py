@@ -18,6 +18,7 @@ import pytest
 from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine
 from hicache_mp.bench import bigstore
 from hicache_mp.engine.index import StoreIndex
+from hicache_mp.engine.storescan import TAKE_PER_POLL
 from hicache_mp.integrations.vllm.lookup import Lookups
 from workers import naming
 
@@ -139,6 +140,14 @@ def test_answers_are_right_while_the_scan_is_held_back(big):
         m = eng.metrics()["store_scan"]
         assert m["state"] == "scanning" and not m["complete"] and m["pages"] < BIG, m
         scanner.resume()
+        # What one poll() takes of the listing is bounded, whatever is waiting.
+        deadline = time.monotonic() + 10
+        while eng.metrics()["store_scan"]["pages"] - m["pages"] < 2 * TAKE_PER_POLL and \
+                time.monotonic() < deadline:
+            before = eng.metrics()["store_scan"]["pages"]
+            eng.poll()
+            assert eng.metrics()["store_scan"]["pages"] - before <= TAKE_PER_POLL
+            time.sleep(0.01)  # the scanner fills its ring again meanwhile
         assert eng.wait_scanned(60)
         assert eng.metrics()["index_pages"] == BIG
         assert eng.present([bigstore.page_key(i) for i in range(BIG)]).all()
