@@ -1,7 +1,7 @@
 """Child processes of an engine: one way to launch, hand-shake, name, watch and clean up.
 
-Both kinds of helper process (I/O workers, the evictor) start and live the
-same way, so the rules are written once here:
+Every kind of helper process (I/O workers, the evictor, the store scanner)
+starts and lives the same way, so the rules are written once here:
 
     parent (engine)                              child (python -m <module>)
     ---------------                              --------------------------
