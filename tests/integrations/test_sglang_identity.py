@@ -7,7 +7,9 @@ weight files: through SGLang's real backend classes (StorageBackendFactory,
 HiCacheStorageConfig, HiCacheMP) and through the engine's API, the second
 finds none of the first's pages. Also: the name normalisation is injective,
 the same weights at another path or a restart of the same model still share,
-and an explicit `namespace` decides alone.
+and an explicit `namespace` decides alone. Issue 47: a LoRA merged into the
+middle of a weight file (bytes 8-16 MiB of 48 MiB; same config, names, size
+and header) is another model (decision 106).
 """
 import os
 import shutil
@@ -90,6 +92,29 @@ def test_two_models_swapped_at_one_path_share_no_page(tmp_path):
     # back to the first weights: its pages are found again
     lay_model(model, seed=1)
     assert serve(store, model)[:2] == (3, [True] * 3)
+
+
+def test_a_lora_merged_in_the_middle_of_a_weight_file_is_another_model(tmp_path):
+    """Pod A serves the base model, pod B its LoRA merge, both at one path:
+    one 48 MiB weight file whose bytes 8-16 MiB differ, nothing else. B gets
+    none of A's 3 pages; a pod with its own copy of A's weights at that path
+    (other inodes and mtimes) gets all 3."""
+    store, model = str(tmp_path / "store"), str(tmp_path / "model")
+    lay_model(model, seed=1)
+    weights = os.path.join(model, "model-00001-of-00002.safetensors")
+    with open(weights, "wb") as f:
+        f.write(np.random.default_rng(11).bytes(48 << 20))
+    assert serve(store, model, fill=9)[:2] == (3, [True] * 3)
+    copy = str(tmp_path / "copy")
+    shutil.copytree(model, copy)
+    shutil.rmtree(model)
+    shutil.copytree(copy, model)                                  # the same weights, copied
+    assert serve(store, model)[:2] == (3, [True] * 3)
+    with open(weights, "r+b") as f:                               # the merge, in place
+        f.seek(8 << 20)
+        f.write(np.random.default_rng(12).bytes(8 << 20))
+    n, got, kv = serve(store, model)
+    assert (n, got) == (0, [False] * 3) and not kv.any()
 
 
 def test_a_new_config_alone_is_another_model(tmp_path):

@@ -42,8 +42,9 @@ class AdapterConfig:
     namespace: str = setting(
         "", "the key namespace's model identity, set by the operator: servers with the same "
         "value (and model name, ranks, geometry) share pages, whatever their weights; empty: "
-        "the weights' identity (config and sampled weight files of a local model directory, "
-        "hub id and revision, served model name, weight version)", sglang=True)
+        "the weights' identity (config and weight files of a local model directory, read 4 KiB "
+        "of every MiB: any changed run of 1 MiB or more is another model; hub id and "
+        "revision, served model name, weight version)", sglang=True)
     probe_wait_s: float = setting(0.1, "batch_exists waits up to this long for the workers' "
                                   "answers about keys the index does not know (pages other "
                                   "engines or nodes wrote); 0: answer from the index, later "
