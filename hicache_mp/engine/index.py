@@ -8,12 +8,13 @@ the scans have told it: whether one runs, how many pages it listed, and
 whether the index is whole (`complete`: a scan has ended whole, so a key
 it misses was not in the store when that scan began). While a scan runs, a
 page found gone (a miss, an eviction) is remembered, so the scan's older
-listing of it does not bring it back. A page a read found damaged or could not read (unreadable: EACCES,
-EIO) is distrusted for DAMAGED_TTL_S: a
-probe or rescan finds its file again by name and size, and believing it
-would claim the prefix on every call and skip the backup that repairs it. The scan also removes temp files whose writer is gone
-(workers.tmpfiles says when that is known), so a crashed writer leaves
-nothing behind. Must not read page contents.
+listing of it does not bring it back. A page a read found damaged or could
+not read (unreadable: EACCES, EIO) is distrusted for DAMAGED_TTL_S: a probe
+or rescan finds its file again by name and size, and believing it would
+claim the prefix on every call and skip the backup that repairs it. The
+scan also removes temp files whose writer is gone (workers.tmpfiles says
+when that is known), so a crashed writer leaves nothing behind. Must not
+read page contents.
 """
 import time
 
@@ -32,6 +33,7 @@ class StoreIndex:
         self.scanning = False      # a scan has begun and not ended
         self.scans = 0             # scans begun
         self.scan_pages = 0        # pages the latest scan listed so far
+        self.scan_whole = False    # the latest scan ended whole
         self._scan_t = (0.0, 0.0)  # the latest scan's start and end (monotonic; end 0: running)
         self._gone: set = set()    # found gone while a scan runs: its listing is older
 
@@ -51,7 +53,7 @@ class StoreIndex:
 
     def end_scan(self, whole: bool, stale_removed: int) -> None:
         """The scan ended: `whole`, it listed the entire store."""
-        self.scanning = False
+        self.scanning, self.scan_whole = False, whole
         self.complete = self.complete or whole
         self.stale_tmp_removed += stale_removed
         self._scan_t = (self._scan_t[0], time.monotonic())
@@ -61,7 +63,7 @@ class StoreIndex:
         """metrics()["store_scan"]: the latest scan's state, pages listed and
         seconds (so far, while it runs), and whether the index is whole."""
         start, end = self._scan_t
-        state = "scanning" if self.scanning else "done" if self.complete else \
+        state = "scanning" if self.scanning else "done" if self.scan_whole else \
             "failed" if self.scans else "none"
         return {"state": state, "complete": self.complete, "pages": self.scan_pages,
                 "seconds": round((end or time.monotonic()) - start, 3) if self.scans else 0.0,

@@ -3,7 +3,8 @@
 Owns what PrefetchEngine's constructor makes before it takes any work: the
 decision on direct I/O (and the one warning for a store this uid cannot
 write), this engine's share of the node's cores, the room
-check for everything it will put in /dev/shm, the host pool (its own, a
+check for everything it will put in /dev/shm (against /dev/shm's free space
+and against what the memory cgroup's limit leaves), the host pool (its own, a
 caller's descriptor, or a caller's parts), the control block, the completion
 semaphore, the evictor (with storage limits), the store scanner's ring
 (workers.scanner; the scan itself starts once the workers are ready,
@@ -34,6 +35,7 @@ from workers.scanner import SCAN_RING_CAPACITY, ScannerProcess
 from workers.spec import WorkerSpec
 from workers.store import write_problem
 
+from .checks import ENGINE_BYTES, check_memory_room
 from .closing import EngineClosed
 from .config import EngineConfig
 from .cpubudget import CpuBudget, read_budget
@@ -102,6 +104,25 @@ def _room_error(config: EngineConfig, geometry: PageGeometry, workers: int,
         fixes.append(f"fewer workers (num_workers, --hicache-mp-workers: {count}) or a lower "
                      f"ring_capacity ({ring_capacity} records per ring now)")
     return err.with_fixes(fixes)
+
+
+def _check_memory(config: EngineConfig, geometry: PageGeometry, workers: int,
+                  ring_capacity: int, shared_pool: bool) -> None:
+    """ValueError where this engine's shared memory and processes do not fit
+    in what the memory cgroup's limit leaves (checks.check_memory_room). A
+    caller's pool (pool_fd, pool_parts) is the caller's memory, charged
+    already or when the caller touches it: only the rest is counted."""
+    pool = 0 if shared_pool else geometry.pool_bytes(config.host_pool_pages)
+    evictor = config.capacity_limited
+    fixes = []
+    if pool:
+        fixes.append(f"lower host_pool_pages ({config.host_pool_pages} pages of "
+                     f"{geometry.page_bytes / 2**20:.2f} MiB now) or the page size")
+    count = f"{workers} now" if config.num_workers else f"auto gave {workers}"
+    fixes.append(f"fewer workers (num_workers, --hicache-mp-workers: {count})")
+    parts = shm_parts(pool, workers, ring_capacity, evictor) + \
+        [("start", "the engine's own start", ENGINE_BYTES)]
+    check_memory_room(parts, workers + (1 if evictor else 0), fixes=fixes)
 
 
 def _budget_words(budget: CpuBudget, engines: int) -> str:
@@ -196,11 +217,14 @@ def build(config: EngineConfig, geometry: PageGeometry, roots, *, pool_fd: int |
     budget = res.cpu_budget = read_budget()
 
     def check_room(workers: int) -> None:
-        """Everything this engine puts in /dev/shm, counted before any of it is made."""
-        short = _room_error(config, geometry, workers, config.resolved_ring_capacity(workers),
-                            shared_pool)
+        """Everything this engine puts in /dev/shm, counted before any of it is
+        made, against /dev/shm's free space and against the room the memory
+        cgroup's limit leaves (decision 107)."""
+        ring_capacity = config.resolved_ring_capacity(workers)
+        short = _room_error(config, geometry, workers, ring_capacity, shared_pool)
         if short is not None:
             raise short
+        _check_memory(config, geometry, workers, ring_capacity, shared_pool)
 
     # Auto: this engine's share of what the process may use (decisions 42, 89);
     # an explicit count is registered as it is, so later auto engines and the
