@@ -50,7 +50,9 @@ def parse():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--compute", default="0.5,1,2",
                    help="forward time per layer, as multiples of t_read_layer")
-    p.add_argument("--fs-linker", action="store_true", help="also time sglang-fs-linker")
+    p.add_argument("--fs-linker", action="store_true",
+                   help="also time sglang-fs-linker (scripts/device/fs_linker_compat.py must be "
+                        "importable as fs_linker_compat: scripts/device on PYTHONPATH)")
     p.add_argument("--store", default=None, help="the store's parent directory (default: a temp dir)")
     p.add_argument("--json", default=None)
     return p.parse_args()
@@ -114,7 +116,6 @@ def make_linker(pool, a, store, groups, workers):
 def make_fs_linker(pool, a, store):
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
     from sglang.srt.mem_cache.unified_cache.linker_factory import create_unified_cache_linker
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "device"))
     cfg = {"linker": "FsLinkerCompat", "linker_module_path": "fs_linker_compat",
            "linker_extra_config": {"directory": store, "namespace": "bench-linker"}}
     return create_unified_cache_linker(Args(), params_for(pool, a.page_size), backend="dynamic",

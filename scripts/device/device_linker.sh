@@ -14,6 +14,7 @@ shift
 mkdir -p "$out"
 cd "$(dirname "$0")/../.."
 . scripts/device/device_deps.sh
+export PYTHONPATH=$PWD/scripts/device:$PYTHONPATH  # fs_linker_compat, as SGLang's factory imports it
 if ls .whl-fslinker/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps --no-index --target "$deps" .whl-fslinker/*.whl && fs=--fs-linker
 fi

@@ -9,9 +9,8 @@ into the gitignored `.whl-fslinker/` at the repository root
 
     pip download --no-deps sglang-fs-linker==0.1.0 -d .whl-fslinker/
 
-and either installed (`pip install --no-deps .whl-fslinker/*.whl`, what a
-device run does) or, when it is not installed, imported straight from the wheel
-file (a pure-Python wheel is a zip that `sys.path` can hold). Nothing of the
+and installed (`pip install --no-deps .whl-fslinker/*.whl`, what a device
+run does; the wheel is pure Python). Nothing of the
 package is changed or copied; `FsLinkerCompat` subclasses its
 `sglang_fs_linker.linker.FileSystemLinker` and adds only what 0.5.23 requires:
 
@@ -85,6 +84,7 @@ directly and once through a real `UnifiedRadixCache` (see `_selfcheck`).
 """
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -99,15 +99,10 @@ def _import_package():
     except ModuleNotFoundError as error:
         if error.name != "sglang_fs_linker":
             raise  # a dependency of the package (sglang, torch): do not mask it
-        wheels = sorted(WHEEL_DIR.glob(f"sglang_fs_linker-{PACKAGE_VERSION}-py3-none-any.whl"))
-        if not wheels:
-            raise ModuleNotFoundError(
-                "sglang_fs_linker is not installed and no wheel is in "
-                f"{WHEEL_DIR}; run: pip download --no-deps "
-                f"sglang-fs-linker=={PACKAGE_VERSION} -d {WHEEL_DIR}"
-            ) from error
-        sys.path.append(str(wheels[-1]))
-        import sglang_fs_linker.linker as linker
+        raise ModuleNotFoundError(
+            f"sglang_fs_linker {PACKAGE_VERSION} is not installed: pip download --no-deps "
+            f"sglang-fs-linker=={PACKAGE_VERSION} -d {WHEEL_DIR}, then pip install --no-deps "
+            f"{WHEEL_DIR}/*.whl") from error
     from importlib.metadata import version
 
     found = version("sglang-fs-linker")
@@ -232,10 +227,9 @@ def _selfcheck() -> int:
     from sglang.srt.runtime_context import get_context, get_server_args
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    # The factory imports linker_module_path "fs_linker_compat" by name, as a server does.
-    here = str(Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)
+    # The factory imports linker_module_path "fs_linker_compat" by name, as a server does:
+    # scripts/device must be on PYTHONPATH (as scripts/device/device_linker.sh sets it).
+    importlib.import_module("fs_linker_compat")
 
     layers, heads, head_dim, page, pages, dtype = 4, 2, 8, 4, 3, torch.bfloat16
     failures, compared = [], [0, 0]
@@ -394,6 +388,12 @@ def _selfcheck() -> int:
 
 
 if __name__ == "__main__":
-    if "--selfcheck" in sys.argv[1:]:
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--selfcheck", action="store_true",
+                        help="store, look up and load a few pages on CPU through SGLang 0.5.23's "
+                             "factory and UnifiedRadixCache, byte for byte")
+    if parser.parse_args().selfcheck:
         sys.exit(_selfcheck())
     print(__doc__)

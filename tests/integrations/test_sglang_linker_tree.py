@@ -17,7 +17,8 @@ Built as SGLang's own unified-radix-cache test kit builds its fixtures
 
 Reaches inside: `real._ensure_torchvision` (hicache_mp.bench.sglang.real), the
 bench's placeholder for torchvision's import-time-only uses (SGLang's model
-configs import it; CI has no CPU build).
+configs import it; CI has no CPU build); `args._mamba_cache_chunk_size`, which
+SGLang's own kit sets on ServerArgs where a dummy model config cannot give it.
 """
 from array import array
 
