@@ -48,7 +48,9 @@ class AdapterConfig:
     probe_wait_s: float = setting(0.1, "batch_exists waits up to this long for the workers' "
                                   "answers about keys the index does not know (pages other "
                                   "engines or nodes wrote); 0: answer from the index, later "
-                                  "calls see what the workers found", sglang=True, lo=0)
+                                  "calls see what the workers found (until the store scan at "
+                                  "start is whole, at least 0.5 s: decision 110)",
+                                  sglang=True, lo=0)
 
     def __post_init__(self):
         for f in settings(type(self)):
