@@ -10,7 +10,9 @@ lock or registry entry. Run in a private 64 MiB tmpfs (tests/containerkit.py).
 import pytest
 
 import containerkit
+from shm.ring import ring_bytes
 from workers.control import CONTROL_BYTES
+from workers.scanner import SCAN_RING_CAPACITY
 
 MIB = 2**20
 SIZE_FIXES = ("--shm-size", "sizeLimit", "medium: Memory")
@@ -49,8 +51,10 @@ def test_sglangs_attach_names_sglangs_settings(store):
     containerkit.require_namespaces()
     got = containerkit.in_private_shm("64m", "sglang_small_shm", {"store": store, "cases": [
         ["default", {"staging_pages": 50000}, None],
-        # another program left room for the control block, not for 4 workers' rings
-        ["shm", {"num_workers": 4}, CONTROL_BYTES + 3 * 4096]]}, timeout_s=180)
+        # another program left room for the control block (and the store scan's
+        # ring beside it), not for 4 workers' rings
+        ["shm", {"num_workers": 4},
+         CONTROL_BYTES + ring_bytes(SCAN_RING_CAPACITY) + 3 * 4096]]}, timeout_s=180)
     staged, zero_copy = got["cases"]
     _named(staged["error"], "host pool alone does not fit", '"allocator": "shm"',
            '"staging_pages"', "(50000 now)")
