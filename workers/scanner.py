@@ -117,6 +117,10 @@ class ScannerProcess:
         """A scanner was launched and has not exited (reaped once it has)."""
         return self.child is not None and self.child.alive()
 
+    def exited(self) -> bool:
+        """No scanner was launched, or the last one's exit has been collected."""
+        return self.child is None or self.child.returncode is not None
+
     @property
     def pid(self) -> int | None:
         return None if self.child is None else self.child.pid

@@ -77,6 +77,8 @@ class StoreScan:
     def take(self) -> int:
         """Move up to TAKE_PER_POLL listed pages into the index; the count."""
         if not self.index.scanning:
+            if not self.scanner.exited() and self._look():
+                self.scanner.running()  # collects a finished scanner: no zombie left
             return 0
         if self.launch:
             if self._look() and not self.scanner.running():

@@ -89,10 +89,17 @@ def test_the_constructor_does_not_walk_the_store(big, tmpfs):
     try:
         m = eng.metrics()
         assert m["index_pages"] == 0 and m["store_scan"]["state"] == "scanning", m["store_scan"]
+        scanner = _scanner(eng).pid
         assert eng.wait_scanned(60)
         m = eng.metrics()
         assert m["index_pages"] == BIG and m["store_scan"]["pages"] == BIG
         assert m["store_scan"]["state"] == "done" and m["store_scan"]["complete"]
+        # The scanner is gone once done, not left a zombie for the engine's life.
+        deadline = time.monotonic() + 5
+        while psutil.pid_exists(scanner) and time.monotonic() < deadline:
+            eng.poll()
+            time.sleep(0.01)
+        assert not psutil.pid_exists(scanner)
     finally:
         eng.close()
     c1 = time.thread_time()
