@@ -74,7 +74,12 @@ The worker's side (the same clock, in each worker process):
     SCAN_PUSH_POLL_S   2 ms   the store scanner, its ring full, looks again for
                               room (the engine takes a share of it per poll)
     PARENT_CHECK_S     0.25 s an idle child looks at its parent: also the longest
-                              an orphan lives
+                              an orphan lives once its parent has exited
+    PARENT_EXIT_S      5 s    reparented, an orphan waits at most this long for
+                              its parent's last thread to exit (and with it the
+                              flock of the owner's lock file): the kernel may
+                              still be tearing down the parent's address space
+                              (about 0.2 s per GiB touched, here), a backstop
     STILL_S            0.25 s a worker with reads queued that neither runs a page
                               I/O nor finishes a read this long no longer holds
                               back other workers' writes: far above the gap
@@ -148,6 +153,7 @@ DEFER_POLL_S = 0.002
 CHILD_READY_POLL_S = 0.002
 SCAN_PUSH_POLL_S = 0.002
 PARENT_CHECK_S = 0.25
+PARENT_EXIT_S = 5.0
 WRITE_DEFER_MAX_S = 0.5
 STILL_S = WRITE_DEFER_MAX_S / 2
 SLOW_IO_S = 0.5
