@@ -12,7 +12,7 @@
 # manylinux2014_x86_64 -d .whl-45 posix_ipc==1.3.2).
 # Usage: scripts/device/device_issue45.sh OUTDIR
 # Knobs (a CPU dry run shrinks them): ROUNDS (5), PAGES_SMALL (256),
-# PAGES_BIG (1024), POLL_ARGS, LC_ARGS ("--num-requests 12"), LC_PAIRS (5),
+# PAGES_BIG (1024), PAGES_LIST (both), POLL_ARGS, LC_ARGS ("--num-requests 12"), LC_PAIRS (5),
 # BUDGET_S (440: no new step starts after it), HARD_S (470: every step ends
 # by then, its timeout cut to fit), QUICK (1: --quick everything),
 # STEPS ("poll prefetch lc": which to run).
@@ -51,13 +51,13 @@ STEPS=" ${STEPS:-poll prefetch lc} "
 want() { [[ $STEPS == *" $1 "* ]]; }
 want poll && step poll 60 python3 scripts/bench_poll.py --in-flight 24 $POLL_ARGS --json "$out/poll.json"
 want poll && tail -n 6 "$out/poll.log"
-for n in $(want prefetch && echo "$PAGES_SMALL" "$PAGES_BIG"); do
+for n in $(want prefetch && echo ${PAGES_LIST:-$PAGES_SMALL $PAGES_BIG}); do
   step "prefetch$n" 150 python3 scripts/bench_prefetch.py $q --workers 14 --pages "$n" --rounds 2 \
     --repeats "$ROUNDS" --file-cap-s 1 --storage-dir /tmp/hicache_mp_bp --json "$out/prefetch$n.json"
   grep -A3 "^workers\|^scheduler loop\|^loop beside" "$out/prefetch$n.log" | head -n 8
   grep -E ">= 0\.9|<= 2 " "$out/prefetch$n.log"
 done
-rm -rf /tmp/hicache_mp_bp
+[ "${KEEP_STORES:-0}" = 1 ] || rm -rf /tmp/hicache_mp_bp
 want lc || LC_PAIRS=0
 for i in $(seq 1 "$LC_PAIRS"); do
   for b in none mp; do
