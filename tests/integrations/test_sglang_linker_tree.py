@@ -13,12 +13,12 @@ layer from the pools (so SGLang's own pools call `wait_until`), and finished
 the bytes that were computed, in the full pool and in the side pool.
 
 Built as SGLang's own unified-radix-cache test kit builds its fixtures
-(sglang/test/kits/unified_radix_cache), with `set_global_server_args_for_scheduler`.
+(sglang/test/kits/unified_radix_cache), its ServerArgs published for the test
+alone (`override_server_args`).
 
 Reaches inside: `real._ensure_torchvision` (hicache_mp.bench.sglang.real), the
 bench's placeholder for torchvision's import-time-only uses (SGLang's model
-configs import it; CI has no CPU build); `args._mamba_cache_chunk_size`, which
-SGLang's own kit sets on ServerArgs where a dummy model config cannot give it.
+configs import it; CI has no CPU build).
 """
 from array import array
 
@@ -48,7 +48,7 @@ from sglang.srt.mem_cache.unified_cache.linker_factory import \
     create_unified_cache_linker  # noqa: E402
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
-from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
+from sglang.srt.runtime_context import get_context  # noqa: E402
 
 L, H, D, PS, SIZE, DT, WINDOW = 4, 2, 8, 4, 128, torch.bfloat16, 8
 FULL_LAYERS, SIDE_LAYERS = [3], [0, 1, 2]
@@ -85,9 +85,12 @@ class Tree:
 
     def __init__(self, mode, store):
         self.mode = mode
-        args = ServerArgs(model_path="dummy", page_size=PS)  # resolved offline, as SGLang's kit does
-        args._mamba_cache_chunk_size = 64  # a dummy model config cannot give it
-        set_global_server_args_for_scheduler(args)
+        # ServerArgs published for this test only, and the previous context put
+        # back at close(): published for good, they would clash with later tests'
+        # parallel topologies. The chunk size is one a dummy model config cannot give.
+        self.published = get_context().override_server_args(page_size=PS,
+                                                             _mamba_cache_chunk_size=64)
+        args = self.published.install()
         extra = {}
         if mode == "swa":
             self.r2t = ReqToTokenPool(size=4, max_context_len=64, device="cpu",
@@ -148,7 +151,10 @@ class Tree:
                      else None}.get(mode)
 
     def close(self):
-        self.linker.close()
+        try:
+            self.linker.close()
+        finally:
+            self.published.restore()
 
     def acknowledge_offloads(self):
         """The scheduler's check_hicache_events, each step, until the write-through lands."""
