@@ -132,6 +132,7 @@ def import_sglang_store(src: str, dst: str, geometry: PageGeometry, src_layout: 
         with PrefetchEngine(cfg, g) as eng:
             if not overwrite:
                 keep = []
+                eng.wait_scanned()  # present() answers from the index: whole once the scan ends
                 present = eng.present([key for key, _ in files])
                 for (key, path), there in zip(files, present):
                     if there:
