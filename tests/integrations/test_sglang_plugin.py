@@ -41,25 +41,60 @@ CHILD = os.path.join(HERE, "fastpath_plugin_child.py")
 PLUGIN_LINE = "(from: plugin=hicache_mp_fastpath, dist=hicache_mp)"
 
 
-def run_child(mode: str, tmp_path, opt_in: bool, timeout: int = 240) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("HICACHE_MP_FASTPATH",
-                                                             "SGLANG_PLUGINS")}
-    if opt_in:
-        env["HICACHE_MP_FASTPATH"] = "1"
-    env["TMPDIR"] = str(tmp_path)   # SGLang's ipc files (PortArgs) stay in the test's dir
-    out = str(tmp_path / f"{mode}.json")
-    child = subprocess.run([sys.executable, CHILD, mode, out, str(tmp_path)], env=env,
-                           capture_output=True, text=True, timeout=timeout)
-    assert child.returncode == 0, child.stderr[-3000:]
-    with open(out) as f:
-        report = json.load(f)
-    report["log"] = (tmp_path / "plugins.log").read_text()
-    report["stderr"] = child.stderr
-    return report
+class Child:
+    """One fresh interpreter of fastpath_plugin_child.py in `mode`, started at
+    once; `report()` waits for it and reads what it wrote."""
+
+    def __init__(self, mode: str, tmp_path, opt_in: bool, timeout: int = 240):
+        env = {k: v for k, v in os.environ.items() if k not in ("HICACHE_MP_FASTPATH",
+                                                                 "SGLANG_PLUGINS")}
+        if opt_in:
+            env["HICACHE_MP_FASTPATH"] = "1"
+        env["TMPDIR"] = str(tmp_path)   # SGLang's ipc files (PortArgs) stay in the test's dir
+        self.tmp_path, self.timeout = tmp_path, timeout
+        self.out = str(tmp_path / f"{mode}.json")
+        self.err = open(tmp_path / f"{mode}.stderr", "w+")
+        self.proc = subprocess.Popen([sys.executable, CHILD, mode, self.out, str(tmp_path)],
+                                     env=env, stdout=subprocess.DEVNULL, stderr=self.err,
+                                     text=True)
+
+    def report(self) -> dict:
+        try:
+            self.proc.wait(self.timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.err.seek(0)
+            stderr = self.err.read()
+            self.err.close()
+        assert self.proc.returncode == 0, stderr[-3000:]
+        with open(self.out) as f:
+            report = json.load(f)
+        report["log"] = (self.tmp_path / "plugins.log").read_text()
+        report["stderr"] = stderr
+        return report
 
 
-def test_without_the_opt_in_the_plugin_does_nothing(tmp_path):
-    r = run_child("off", tmp_path, opt_in=False)
+@pytest.fixture(scope="module")
+def children(tmp_path_factory):
+    """The three fresh-interpreter cases, started together (each is mostly
+    SGLang's import: seconds of one core): {mode: Child}, and /dev/shm's
+    SGLang entries before any ran."""
+    shm_before = {n for n in os.listdir("/dev/shm") if n.startswith("sglang")}
+    started = {"off": Child("off", tmp_path_factory.mktemp("off"), opt_in=False),
+               "version": Child("version", tmp_path_factory.mktemp("version"), opt_in=True),
+               "scheduler": Child("scheduler", tmp_path_factory.mktemp("scheduler"),
+                                  opt_in=True, timeout=300)}
+    yield started, shm_before
+    for child in started.values():  # a test that failed early leaves none running
+        if child.proc.poll() is None:
+            child.proc.kill()
+            child.proc.wait()
+
+
+def test_without_the_opt_in_the_plugin_does_nothing(children):
+    r = children[0]["off"].report()
     # SGLang found, loaded and ran it ...
     assert "Loaded plugin hicache_mp_fastpath from group sglang.srt.plugins" in r["log"]
     assert "Executed general plugin: hicache_mp_fastpath" in r["log"]
@@ -69,8 +104,8 @@ def test_without_the_opt_in_the_plugin_does_nothing(tmp_path):
     assert r["hooked"] == [] and r["added"] == [] and not r["installed"]
 
 
-def test_another_sglang_version_is_one_error_and_stock(tmp_path):
-    r = run_child("version", tmp_path, opt_in=True)
+def test_another_sglang_version_is_one_error_and_stock(children):
+    r = children[0]["version"].report()
     errors = [line for line in r["log"].splitlines() if " ERROR " in line]
     assert len(errors) == 1, errors
     assert "SGLang 0.5.23 only; this is SGLang 0.5.24" in errors[0]
@@ -115,7 +150,7 @@ def test_the_plugin_refuses_with_one_error(sglang_stack, monkeypatch, caplog, ca
     assert HybridCacheController._page_transfer_sidecar is stock
 
 
-def test_sglangs_scheduler_process_loads_the_plugin(tmp_path):
+def test_sglangs_scheduler_process_loads_the_plugin(children):
     """SGLang's real run_scheduler_process (ServerArgs of a 2-layer Llama
     config with dummy weights, HiCache on the `file` backend, CPU) as the entry
     of a fresh interpreter: its load_plugins() ran the plugin there and the
@@ -125,8 +160,9 @@ def test_sglangs_scheduler_process_loads_the_plugin(tmp_path):
     cache controller; the process still runs the fast path's methods there.
     With a CUDA torch it goes on: the Scheduler is built, and the live
     controller's storage threads are the fast path's."""
-    shm_before = {n for n in os.listdir("/dev/shm") if n.startswith("sglang")}
-    r = run_child("scheduler", tmp_path, opt_in=True, timeout=300)
+    started, shm_before = children
+    r = started["scheduler"].report()
+    tmp_path = started["scheduler"].tmp_path
     with open(str(tmp_path / "scheduler.json.parent")) as f:
         assert json.load(f)["entry_rc"] == 0
     sched_out = (tmp_path / "scheduler.out").read_text()
