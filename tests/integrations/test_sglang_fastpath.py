@@ -117,20 +117,37 @@ def stock_run(key, run):
     return _STOCK[key]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _plugin_route_started(tmp_path_factory):
+    """The plugin route's fresh interpreter, started with the module: it is
+    mostly SGLang's import and its own fast runs, on the other core while this
+    process runs the stock and install() sides. Killed if still running at the end."""
+    tmp = tmp_path_factory.mktemp("plugin-route")
+    out = str(tmp / "on.json")
+    env = dict(os.environ, HICACHE_MP_FASTPATH="1")
+    env.pop("SGLANG_PLUGINS", None)
+    err = open(tmp / "on.stderr", "w+")
+    child = subprocess.Popen([sys.executable, os.path.join(HERE, "fastpath_plugin_child.py"),
+                              "on", out, str(tmp)], env=env, stdout=subprocess.DEVNULL,
+                             stderr=err, text=True)
+    yield child, tmp, out, err
+    if child.poll() is None:
+        child.kill()
+        child.wait()
+    err.close()
+
+
 @pytest.fixture(scope="module")
-def plugin_route(tmp_path_factory):
+def plugin_route(_plugin_route_started):
     """One fresh interpreter where SGLang's own load_plugins() ran the
     hicache_mp_fastpath plugin with HICACHE_MP_FASTPATH=1 (nothing else
     installs the fast path there), then every fast run of the differential
     (fastpath_plugin_child.py, mode on): its report, SGLang's plugin log and
     the runs."""
-    tmp = tmp_path_factory.mktemp("plugin-route")
-    out = str(tmp / "on.json")
-    env = dict(os.environ, HICACHE_MP_FASTPATH="1")
-    env.pop("SGLANG_PLUGINS", None)
-    child = subprocess.run([sys.executable, os.path.join(HERE, "fastpath_plugin_child.py"), "on",
-                            out, str(tmp)], env=env, capture_output=True, text=True, timeout=300)
-    assert child.returncode == 0, child.stderr[-3000:]
+    child, tmp, out, err = _plugin_route_started
+    child.wait(300)
+    err.seek(0)
+    assert child.returncode == 0, err.read()[-3000:]
     with open(out) as f:
         report = json.load(f)
     report["log"] = (tmp / "plugins.log").read_text()
