@@ -86,11 +86,22 @@ def children(tmp_path_factory):
                "version": Child("version", tmp_path_factory.mktemp("version"), opt_in=True),
                "scheduler": Child("scheduler", tmp_path_factory.mktemp("scheduler"),
                                   opt_in=True, timeout=300)}
+    # and `hicache-mp sglang-serve -- --help`, which execs SGLang's own launcher
+    alias_dir = tmp_path_factory.mktemp("alias")
+    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_PLUGINS",
+                                                             "HICACHE_MP_FASTPATH")}
+    outs = [open(alias_dir / name, "w+") for name in ("stdout", "stderr")]
+    alias = subprocess.Popen([sys.executable, "-m", "hicache_mp", "sglang-serve", "--", "--help"],
+                             env=env, stdout=outs[0], stderr=outs[1], text=True)
+    started["alias"] = (alias, outs)
     yield started, shm_before
-    for child in started.values():  # a test that failed early leaves none running
-        if child.proc.poll() is None:
-            child.proc.kill()
-            child.proc.wait()
+    procs = [c.proc for k, c in started.items() if k != "alias"] + [alias]
+    for proc in procs:  # a test that failed early leaves none running
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for f in outs:
+        f.close()
 
 
 def test_without_the_opt_in_the_plugin_does_nothing(children):
@@ -185,7 +196,7 @@ def test_sglangs_scheduler_process_loads_the_plugin(children):
     assert {n for n in os.listdir("/dev/shm") if n.startswith("sglang")} <= shm_before
 
 
-def test_sglang_serve_is_an_alias_of_sglangs_launcher(capsys, monkeypatch):
+def test_sglang_serve_is_an_alias_of_sglangs_launcher(children, capsys, monkeypatch):
     from hicache_mp import cli
     from hicache_mp.integrations.sglang import serve
     with pytest.raises(SystemExit) as e:
@@ -204,10 +215,10 @@ def test_sglang_serve_is_an_alias_of_sglangs_launcher(capsys, monkeypatch):
     assert "SGLANG_PLUGINS='someone_else' leaves out" in capsys.readouterr().err
     monkeypatch.undo()
     # the arguments after -- reach SGLang's own launcher, which replaced the process
-    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_PLUGINS",
-                                                             "HICACHE_MP_FASTPATH")}
-    ran = subprocess.run([sys.executable, "-m", "hicache_mp", "sglang-serve", "--", "--help"],
-                         env=env, capture_output=True, text=True, timeout=240)
-    assert ran.returncode == 0, ran.stderr[-2000:]
-    assert "HICACHE_MP_FASTPATH=1 -m sglang.launch_server --help" in ran.stderr
-    assert "--model-path" in ran.stdout and "--enable-hierarchical-cache" in ran.stdout
+    alias, (stdout, stderr) = children[0]["alias"]
+    alias.wait(240)
+    stdout.seek(0), stderr.seek(0)
+    out, err = stdout.read(), stderr.read()
+    assert alias.returncode == 0, err[-2000:]
+    assert "HICACHE_MP_FASTPATH=1 -m sglang.launch_server --help" in err
+    assert "--model-path" in out and "--enable-hierarchical-cache" in out
