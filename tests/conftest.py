@@ -11,6 +11,7 @@ One session hook: the fresh-interpreter import check (test_imports.py) is
 started when the session starts, so it runs beside the collection.
 """
 import compileall
+import importlib.util
 import json
 import os
 import sys
@@ -128,6 +129,7 @@ def nothing_left_behind_by_the_module():
 
 
 _IMPORT_CHECK = os.path.join(ROOT, "tests", "test_imports.py")
+_PLUGIN_TESTS = os.path.join(ROOT, "tests", "integrations", "test_sglang_plugin.py")
 
 
 def _collects(config, path: str) -> bool:
@@ -144,16 +146,35 @@ def _collects(config, path: str) -> bool:
 def pytest_sessionstart(session):
     """The fresh-interpreter import check (test_imports.py) starts at once, in
     the background: its preload of the third-party libraries then runs beside
-    the collection's imports of the same ones, on the other core."""
+    the collection's imports of the same ones, on the other core. So do the
+    SGLang plugin's fresh interpreters (integrations/plugin_children.py):
+    each is mostly SGLang's import, and the tests before theirs leave the
+    other core mostly idle."""
     if _collects(session.config, _IMPORT_CHECK):
         import test_imports
         test_imports.start_early()
+    if _collects(session.config, _PLUGIN_TESTS):
+        _plugin_children().start_early()
+
+
+def _plugin_children():
+    """integrations/plugin_children.py under the name its test imports it by
+    (pytest puts that folder on sys.path when it collects the test)."""
+    name = "plugin_children"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, os.path.join(ROOT, "tests", "integrations", name + ".py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def pytest_unconfigure(config):
-    check = sys.modules.get("test_imports")
-    if check is not None:
-        check.stop_early()  # deselected, or the session was cut short
+    for name in ("test_imports", "plugin_children"):
+        check = sys.modules.get(name)
+        if check is not None:
+            check.stop_early()  # deselected, or the session was cut short
 
 
 @pytest.fixture

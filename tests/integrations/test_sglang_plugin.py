@@ -31,81 +31,27 @@ plugin refuses an 0.5.23 whose methods are not stock.
 import json
 import logging
 import os
-import subprocess
+import pathlib
 import sys
 
+import plugin_children
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-CHILD = os.path.join(HERE, "fastpath_plugin_child.py")
 PLUGIN_LINE = "(from: plugin=hicache_mp_fastpath, dist=hicache_mp)"
 
 
-class Child:
-    """One fresh interpreter of fastpath_plugin_child.py in `mode`, started at
-    once; `report()` waits for it and reads what it wrote."""
-
-    def __init__(self, mode: str, tmp_path, opt_in: bool, timeout: int = 240):
-        env = {k: v for k, v in os.environ.items() if k not in ("HICACHE_MP_FASTPATH",
-                                                                 "SGLANG_PLUGINS")}
-        if opt_in:
-            env["HICACHE_MP_FASTPATH"] = "1"
-        env["TMPDIR"] = str(tmp_path)   # SGLang's ipc files (PortArgs) stay in the test's dir
-        self.tmp_path, self.timeout = tmp_path, timeout
-        self.out = str(tmp_path / f"{mode}.json")
-        self.err = open(tmp_path / f"{mode}.stderr", "w+")
-        self.proc = subprocess.Popen([sys.executable, CHILD, mode, self.out, str(tmp_path)],
-                                     env=env, stdout=subprocess.DEVNULL, stderr=self.err,
-                                     text=True)
-
-    def report(self) -> dict:
-        try:
-            self.proc.wait(self.timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-            self.err.seek(0)
-            stderr = self.err.read()
-            self.err.close()
-        assert self.proc.returncode == 0, stderr[-3000:]
-        with open(self.out) as f:
-            report = json.load(f)
-        report["log"] = (self.tmp_path / "plugins.log").read_text()
-        report["stderr"] = stderr
-        return report
-
-
 @pytest.fixture(scope="module")
-def children(tmp_path_factory):
-    """The three fresh-interpreter cases, started together (each is mostly
-    SGLang's import: seconds of one core): {mode: Child}, and /dev/shm's
-    SGLang entries before any ran."""
-    shm_before = {n for n in os.listdir("/dev/shm") if n.startswith("sglang")}
-    started = {"off": Child("off", tmp_path_factory.mktemp("off"), opt_in=False),
-               "version": Child("version", tmp_path_factory.mktemp("version"), opt_in=True),
-               "scheduler": Child("scheduler", tmp_path_factory.mktemp("scheduler"),
-                                  opt_in=True, timeout=300)}
-    # and `hicache-mp sglang-serve -- --help`, which execs SGLang's own launcher
-    alias_dir = tmp_path_factory.mktemp("alias")
-    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_PLUGINS",
-                                                             "HICACHE_MP_FASTPATH")}
-    outs = [open(alias_dir / name, "w+") for name in ("stdout", "stderr")]
-    alias = subprocess.Popen([sys.executable, "-m", "hicache_mp", "sglang-serve", "--", "--help"],
-                             env=env, stdout=outs[0], stderr=outs[1], text=True)
-    started["alias"] = (alias, outs)
-    yield started, shm_before
-    procs = [c.proc for k, c in started.items() if k != "alias"] + [alias]
-    for proc in procs:  # a test that failed early leaves none running
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    for f in outs:
-        f.close()
+def children():
+    """The four fresh interpreters (plugin_children.py), started when the
+    session started where it could, else now: (them, /dev/shm's SGLang
+    entries before any ran)."""
+    started = plugin_children.take()
+    yield started
+    started.close()
 
 
 def test_without_the_opt_in_the_plugin_does_nothing(children):
-    r = children[0]["off"].report()
+    r = children.children["off"].report()
     # SGLang found, loaded and ran it ...
     assert "Loaded plugin hicache_mp_fastpath from group sglang.srt.plugins" in r["log"]
     assert "Executed general plugin: hicache_mp_fastpath" in r["log"]
@@ -116,7 +62,7 @@ def test_without_the_opt_in_the_plugin_does_nothing(children):
 
 
 def test_another_sglang_version_is_one_error_and_stock(children):
-    r = children[0]["version"].report()
+    r = children.children["version"].report()
     errors = [line for line in r["log"].splitlines() if " ERROR " in line]
     assert len(errors) == 1, errors
     assert "SGLang 0.5.23 only; this is SGLang 0.5.24" in errors[0]
@@ -171,9 +117,9 @@ def test_sglangs_scheduler_process_loads_the_plugin(children):
     cache controller; the process still runs the fast path's methods there.
     With a CUDA torch it goes on: the Scheduler is built, and the live
     controller's storage threads are the fast path's."""
-    started, shm_before = children
-    r = started["scheduler"].report()
-    tmp_path = started["scheduler"].tmp_path
+    shm_before = children.shm_before
+    r = children.children["scheduler"].report()
+    tmp_path = pathlib.Path(children.children["scheduler"].tmp_path)
     with open(str(tmp_path / "scheduler.json.parent")) as f:
         assert json.load(f)["entry_rc"] == 0
     sched_out = (tmp_path / "scheduler.out").read_text()
@@ -215,10 +161,7 @@ def test_sglang_serve_is_an_alias_of_sglangs_launcher(children, capsys, monkeypa
     assert "SGLANG_PLUGINS='someone_else' leaves out" in capsys.readouterr().err
     monkeypatch.undo()
     # the arguments after -- reach SGLang's own launcher, which replaced the process
-    alias, (stdout, stderr) = children[0]["alias"]
-    alias.wait(240)
-    stdout.seek(0), stderr.seek(0)
-    out, err = stdout.read(), stderr.read()
-    assert alias.returncode == 0, err[-2000:]
+    rc, out, err = children.alias.result()
+    assert rc == 0, err[-2000:]
     assert "HICACHE_MP_FASTPATH=1 -m sglang.launch_server --help" in err
     assert "--model-path" in out and "--enable-hierarchical-cache" in out
