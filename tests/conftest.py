@@ -130,6 +130,7 @@ def nothing_left_behind_by_the_module():
 
 _IMPORT_CHECK = os.path.join(ROOT, "tests", "test_imports.py")
 _PLUGIN_TESTS = os.path.join(ROOT, "tests", "integrations", "test_sglang_plugin.py")
+_FASTPATH_TESTS = os.path.join(ROOT, "tests", "integrations", "test_sglang_fastpath.py")
 
 
 def _collects(config, path: str) -> bool:
@@ -155,6 +156,8 @@ def pytest_sessionstart(session):
         test_imports.start_early()
     if _collects(session.config, _PLUGIN_TESTS):
         _plugin_children().start_early()
+    if _collects(session.config, _FASTPATH_TESTS):
+        _plugin_children().start_route_early()
 
 
 def _plugin_children():

@@ -1,6 +1,8 @@
 """The fresh interpreters test_sglang_plugin.py reads: SGLang's plugin loader
 without the opt-in, with another version, SGLang's scheduler process, and the
-`hicache-mp sglang-serve -- --help` alias. Each is mostly SGLang's import on
+`hicache-mp sglang-serve -- --help` alias; and the one whose fast runs
+test_sglang_fastpath.py compares with stock (the plugin route, mode `on`,
+started alone by `start_route_early`). Each is mostly SGLang's import on
 one core, so tests/conftest.py starts them when the session starts (as it
 starts test_imports' check), beside the collection and the tests before
 them on the other core; the test module's fixture starts them itself when
@@ -18,6 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "fastpath_plugin_child.py")
 
 _early: list = []
+_route: list = []
 
 
 class Child:
@@ -128,6 +131,24 @@ def take() -> Started:
     return _early.pop() if _early else Started()
 
 
+def start_route_early() -> None:
+    if not _route:
+        base = tempfile.mkdtemp(prefix="hicache_mp-plugin-route-")
+        _route.append((Child("on", base, opt_in=True, timeout=300), base))
+
+
+def take_route() -> tuple:
+    """(the plugin route's Child, its directory): what the session started, or a fresh start."""
+    if not _route:
+        start_route_early()
+    return _route.pop()
+
+
 def stop_early() -> None:
     while _early:
         _early.pop().close()
+    while _route:
+        child, base = _route.pop()
+        child.stop()
+        child.err.close()
+        shutil.rmtree(base, ignore_errors=True)

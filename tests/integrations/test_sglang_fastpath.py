@@ -39,6 +39,7 @@ import sysconfig
 import threading
 import time
 
+import plugin_children
 import pytest
 
 from hicache_mp.bench.sglang import real as sglang_real
@@ -117,41 +118,20 @@ def stock_run(key, run):
     return _STOCK[key]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _plugin_route_started(tmp_path_factory):
-    """The plugin route's fresh interpreter, started with the module: it is
-    mostly SGLang's import and its own fast runs, on the other core while this
-    process runs the stock and install() sides. Killed if still running at the end."""
-    tmp = tmp_path_factory.mktemp("plugin-route")
-    out = str(tmp / "on.json")
-    env = dict(os.environ, HICACHE_MP_FASTPATH="1")
-    env.pop("SGLANG_PLUGINS", None)
-    err = open(tmp / "on.stderr", "w+")
-    child = subprocess.Popen([sys.executable, os.path.join(HERE, "fastpath_plugin_child.py"),
-                              "on", out, str(tmp)], env=env, stdout=subprocess.DEVNULL,
-                             stderr=err, text=True)
-    yield child, tmp, out, err
-    if child.poll() is None:
-        child.kill()
-        child.wait()
-    err.close()
-
-
 @pytest.fixture(scope="module")
-def plugin_route(_plugin_route_started):
+def plugin_route():
     """One fresh interpreter where SGLang's own load_plugins() ran the
     hicache_mp_fastpath plugin with HICACHE_MP_FASTPATH=1 (nothing else
     installs the fast path there), then every fast run of the differential
-    (fastpath_plugin_child.py, mode on): its report, SGLang's plugin log and
-    the runs."""
-    child, tmp, out, err = _plugin_route_started
-    child.wait(300)
-    err.seek(0)
-    assert child.returncode == 0, err.read()[-3000:]
-    with open(out) as f:
-        report = json.load(f)
-    report["log"] = (tmp / "plugins.log").read_text()
-    report["runs"] = torch.load(out + ".runs.pt", weights_only=False)
+    (fastpath_plugin_child.py, mode on; started with the session where it
+    could: plugin_children.py): its report, SGLang's plugin log and the runs."""
+    child, base = plugin_children.take_route()
+    try:
+        report = child.report()
+        report["runs"] = torch.load(child.out + ".runs.pt", weights_only=False)
+    finally:
+        child.err.close()
+        shutil.rmtree(base, ignore_errors=True)
     return report
 
 
