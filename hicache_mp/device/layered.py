@@ -35,8 +35,7 @@ class LayerCopies:
         """`planes[kv][layer]`: the device pool's per-layer tensors (K then V;
         one list for MLA), each `[tokens, ...]` with the same row bytes."""
         self.planes = [[row_view(t) for t in kv] for kv in planes]
-        self.kv_count, self.num_layers = len(planes), len(planes[0])
-        self.row_bytes = self.planes[0][0].shape[1]
+        self.kv_count = len(planes)
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.load_stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -50,53 +49,27 @@ class LayerCopies:
             self._registrations.append(HostRegistration(host.data_ptr(),
                                                         host.numel() * host.element_size()))
 
-    @staticmethod
-    def slot_rows(host: torch.Tensor, first: int, n: int) -> torch.Tensor:
-        """Slots [first, first+n) of a page-first pool as `[n, kv, layers, tokens, row]` bytes."""
-        run = host[first:first + n]
-        n_, kv, layers, tokens = run.shape[:4]
-        return run.view(torch.uint8).reshape(n_, kv, layers, tokens, -1)
-
+    # --- the KV pool: a page-first slot is [kv][layers][token][row], row planes in that order
     def load(self, host: torch.Tensor, first: int, n: int, layer0: int, tokens: torch.Tensor,
              after=None):
         """Queue slots [first, first+n) (each holding layers layer0.. of one page)
         into the device rows `tokens` (n * page tokens, page-major); the event."""
-        rows = self.slot_rows(host, first, n)
-        with stream_context(self.load_stream):
-            if after is not None and self.cuda:
-                self.load_stream.wait_event(after)
-            stage = rows.to(self.device, non_blocking=True) if self.cuda else rows
-            idx = tokens.to(self.device, non_blocking=True)
-            for kv in range(self.kv_count):
-                for j in range(rows.shape[2]):
-                    self.planes[kv][layer0 + j].index_copy_(
-                        0, idx, stage[:, kv, j].reshape(-1, self.row_bytes))
-            return self._event(self.load_stream, (stage, idx))
+        group = host.shape[2]  # layers a slot holds
+        planes = [self.planes[kv][layer0 + j] for kv in range(self.kv_count) for j in range(group)]
+        return self.load_rows(host, first, n, planes, host.shape[3], tokens, after)
 
     def store(self, host: torch.Tensor, first: int, n: int, tokens: torch.Tensor, ready=()):
         """Queue the device rows `tokens` (n whole pages) into slots [first, first+n)
         once every event of `ready` has completed (the forward wrote them); the event."""
-        rows = self.slot_rows(host, first, n)
-        with stream_context(self.store_stream):
-            if self.cuda:
-                for ev in ready:
-                    self.store_stream.wait_event(ev)
-            idx = tokens.to(self.device, non_blocking=True)
-            stage = torch.empty(rows.shape, dtype=torch.uint8, device=self.device) \
-                if self.cuda else rows
-            for kv in range(self.kv_count):
-                for layer in range(self.num_layers):
-                    stage[:, kv, layer] = self.planes[kv][layer].index_select(0, idx) \
-                        .view(rows.shape[0], rows.shape[3], self.row_bytes)
-            if self.cuda:
-                rows.copy_(stage, non_blocking=True)
-            return self._event(self.store_stream, (stage, idx))
+        planes = [t for kv in self.planes for t in kv]
+        return self.store_rows(host, first, n, planes, host.shape[3], tokens, ready)
 
-    # --- side pools: rows of several planes per page (SWA tokens, Mamba slots) ---
+    # --- any pool whose page is, for each plane in order, rows_per_page rows ---
     def load_rows(self, host: torch.Tensor, first: int, n: int, planes: list, rows_per_page: int,
                   rows: torch.Tensor, after=None):
-        """Queue slots [first, first+n) of an opaque-bytes pool (a page: for each
-        plane in order, `rows_per_page` rows) into `planes` at `rows`; the event."""
+        """Queue slots [first, first+n) of a pool whose page is, for each plane in
+        order, `rows_per_page` rows (the KV pool's page-first slots; a side pool's
+        opaque bytes) into `planes` at `rows`; the event."""
         views = [row_view(t) for t in planes]
         run = host[first:first + n].reshape(n, -1).view(torch.uint8)
         with stream_context(self.load_stream):

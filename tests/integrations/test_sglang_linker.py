@@ -98,9 +98,13 @@ def offload(link, keys, slots):
 
 
 def load(link, rid, keys, slots):
-    """SGLang's order for one batch; (landed, the layers the forward waited on)."""
+    """SGLang's order for one batch: whether it landed."""
     assert link.load(rid, kv(keys, slots))
-    index = link.start_layer_wise_loading()
+    return forward_and_finish(link, link.start_layer_wise_loading())
+
+
+def forward_and_finish(link, index):
+    """The forward's waits on batch `index`, layer by layer, then its finish: landed or not."""
     counter = link.layer_done_counter
     counter.set_consumer(index)
     for layer in range(LAYERS):
@@ -229,11 +233,7 @@ def test_a_worker_killed_mid_load_fails_that_batch_cleanly(tmp_path):
         finally:
             os.kill(pid, signal.SIGKILL)
             os.kill(pid, signal.SIGCONT)
-        counter = link.layer_done_counter
-        counter.set_consumer(index)
-        for layer in range(LAYERS):
-            counter.wait_until(layer)
-        assert link.finish_layer_wise_loading(index) is False
+        assert forward_and_finish(link, index) is False
         dst2 = alloc.alloc(8 * PS)  # a replacement worker serves the next batch
         assert load(link, "r2", keys, dst2) is True
         assert same_rows(pool, src, dst2)
