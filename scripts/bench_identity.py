@@ -38,6 +38,7 @@ import time
 
 import numpy as np
 
+from hicache_mp.bench import coldcache
 from hicache_mp.integrations.common import identity
 
 CHUNK = 64 << 20
@@ -104,28 +105,10 @@ def old_fingerprint(path: str) -> str:
 
 
 def drop_cache(files, *, everything: bool = False) -> str:
-    """Empty the kernel's page cache of `files` (after a sync): posix_fadvise
-    DONTNEED on each, which leaves other processes' cache alone; with
-    `everything`, `echo 3 > /proc/sys/vm/drop_caches` (falls back to the
-    former where that is not allowed). Says how."""
-    os.sync()
-    if everything:
-        try:
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
-            return "drop_caches"
-        except OSError:
-            pass
-    for name in files:
-        try:
-            fd = os.open(name, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return "fadvise(DONTNEED)"
+    """Empty the kernel's page cache of `files`: fadvise(DONTNEED) on each,
+    which leaves other processes' cache alone; with `everything`, the
+    machine's `echo 3 > /proc/sys/vm/drop_caches` where allowed. Says how."""
+    return coldcache.drop_cache(files, machine_level=3 if everything else None)
 
 
 def files_under(top: str) -> list:

@@ -46,6 +46,7 @@ import time
 
 
 from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine
+from hicache_mp.bench import coldcache
 from hicache_mp.engine.config import DIRECT_IO_MODES, FSYNC_MODES, auto_workers
 from workers import directio, naming, pagefile
 
@@ -59,23 +60,7 @@ def log(msg: str) -> None:
 # --- page cache ------------------------------------------------------------------
 def drop_cache(paths) -> str:
     """Drop the page cache for these files; returns the method that worked."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return "drop_caches"
-    except OSError:
-        pass
-    for p in paths:
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return "fadvise_dontneed"
+    return coldcache.drop_cache(paths, machine_level=1)
 
 
 def page_files(root: str) -> list[str]:
