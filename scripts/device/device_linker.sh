@@ -4,8 +4,8 @@
 # sglang-fs-linker wheel from .whl-fslinker/ (pip download --no-deps
 # sglang-fs-linker==0.1.0 -d .whl-fslinker), then runs scripts/bench_linker.py:
 # a 2 GiB prefix (256 x 8 MiB pages, 32 layers) on a warm store, the layered
-# linker beside one group (load everything, then compute) and sglang-fs-linker,
-# interleaved rounds, into OUTDIR/linker.json and OUTDIR/linker.log.
+# linker at 8, 16 and 32 groups beside one group (load everything, then
+# compute) and sglang-fs-linker, interleaved rounds, into OUTDIR/linker.json and OUTDIR/linker.log.
 # Carry: .whl .whl-fslinker
 # Usage: scripts/device/device_linker.sh OUTDIR [bench_linker.py args]
 set -u
@@ -20,17 +20,12 @@ if ls .whl-fslinker/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -2
 nproc
-timeout 480 python3 scripts/bench_linker.py --rounds 5 --store /tmp ${fs:-} \
+# 8, 16 and 32 layer groups (4, 2 and 1 layers a group), one group and
+# sglang-fs-linker, interleaved in the same rounds.
+timeout 360 python3 scripts/bench_linker.py --rounds 5 --store /tmp --groups 8,16,32 ${fs:-} \
   --json "$out/linker.json" "$@" > "$out/linker.log" 2>&1
 echo "bench_linker rc=$? in $((SECONDS - t0))s"
-grep -v "^INFO\|Warning\|warnings.warn" "$out/linker.log" | tail -n 12
-# Finer groups (2 and 1 layers a group) beside the same whole-prefix baseline.
-for g in 16 32; do
-  timeout 150 python3 scripts/bench_linker.py --rounds 5 --store /tmp --groups $g \
-    --json "$out/linker-g$g.json" "$@" > "$out/linker-g$g.log" 2>&1
-  echo "bench_linker groups=$g rc=$? in $((SECONDS - t0))s"
-  grep -v "^INFO\|Warning\|warnings.warn" "$out/linker-g$g.log" | tail -n 6
-done
+grep -v "^INFO\|Warning\|warnings.warn\|^hicache_mp: " "$out/linker.log" | tail -n 9
 # Beside it, SGLang's HiCache path with mp for the same 2 GiB: storage -> host
 # through SGLang's real HiCacheController (its own layer-wise H2D follows).
 timeout 150 python3 scripts/sglang_stack.py --backends mp --round-mib 2048 --page-mib 8 \
