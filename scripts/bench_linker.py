@@ -14,6 +14,7 @@ One run, interleaved rounds. Per round and per forward-time setting:
   busy      a pure-Python loop on the scheduler thread while the workers read
             the batch, over the same loop with no load in the same round
 Reported beside T: bound = L * max(t_read_layer, t_compute) + t_read_layer, with
+t_compute the forward's own time per layer, measured alone in the same cell, and
 t_read_layer the fastest of the round's reads of the prefix (each group count's
 and one group's, no copies) over L; and every loaded byte compared with the
 stored one (wrong bytes, which must be 0).
@@ -153,16 +154,31 @@ class Forward:
 
     @staticmethod
     def _calibrate():
+        """Clock cycles a second, once the GPU's clock has ramped up (an idle GPU
+        first runs slower, which would make every later kernel too short): the
+        fastest of several timed sleeps after a warm-up. Each cell also times
+        the forward alone, and the bound uses that measured time."""
         if not torch.cuda.is_available():
             return 0.0
+        torch.cuda._sleep(400_000_000)
         torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        n = 50_000_000
-        s.record()
-        torch.cuda._sleep(n)
-        e.record()
-        e.synchronize()
-        return n / (s.elapsed_time(e) / 1e3)
+        best = 0.0
+        for _ in range(5):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            n = 50_000_000
+            s.record()
+            torch.cuda._sleep(n)
+            e.record()
+            e.synchronize()
+            best = max(best, n / (s.elapsed_time(e) / 1e3))
+        return best
+
+    def alone(self, t_compute):
+        """The forward with nothing to wait for: its own time (s)."""
+        sync()
+        t0 = time.perf_counter()
+        self.run(Landed(), 0, t_compute)
+        return time.perf_counter() - t0
 
     def run(self, counter, index, t_compute):
         if hasattr(counter, "set_consumer"):  # sglang-fs-linker's counter has none
@@ -175,6 +191,13 @@ class Forward:
                 torch.cuda._sleep(cycles)
             self.acc += self.pool.k_buffer[layer][probe].float().sum()  # reads layer l
         sync()
+
+
+class Landed:
+    """A counter whose layers have all landed (the forward timed alone)."""
+
+    def wait_until(self, layer):
+        pass
 
 
 def wrong_bytes(pool, layers, src, dst):
@@ -272,10 +295,16 @@ def main():
               "cpus": os.cpu_count(), "rounds": []}
     linkers, whole, fs = {}, None, None
     try:
-        for g in groups:  # every linker reads the one store the first one writes
-            linkers[g] = make_linker(pool, a, os.path.join(parent, "mp"), g, a.workers)
-        layered = linkers[groups[0]]
-        whole = make_linker(pool, a, os.path.join(parent, "mp"), 1, a.workers)
+        # Every linker reads the one store the first one writes, with as many
+        # workers as the first one's auto sizing gave it: auto sizing would give
+        # each later engine of this process fewer (one budget shared by all).
+        layered = linkers[groups[0]] = make_linker(pool, a, os.path.join(parent, "mp"),
+                                                   groups[0], a.workers)
+        workers = a.workers or layered.reader.worker_count()
+        report["workers"] = workers
+        for g in groups[1:]:
+            linkers[g] = make_linker(pool, a, os.path.join(parent, "mp"), g, workers)
+        whole = make_linker(pool, a, os.path.join(parent, "mp"), 1, workers)
         t0 = time.perf_counter()
         offload_all(layered, keys, src, ps)
         report["offload_s"] = time.perf_counter() - t0
@@ -300,7 +329,10 @@ def main():
             row["busy_rate_idle"] = busy_rate(max(t_read, 0.05))
             for m in mults:
                 tc = m * t_rl
-                cell = {"t_compute_layer_s": tc, "bound_s": L * max(t_rl, tc) + t_rl}
+                # the bound with the forward's own measured time per layer
+                tc_real = fwd.alone(tc) / L
+                cell = {"t_compute_layer_s": tc, "t_compute_layer_measured_s": tc_real,
+                        "bound_s": L * max(t_rl, tc_real) + t_rl}
                 order = [(f"g{g}", linkers[g]) for g in groups] + [("whole", whole)] + \
                     ([("fslinker", fs)] if fs else [])
                 if r % 2:

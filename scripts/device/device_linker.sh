@@ -7,7 +7,7 @@
 # linker at 8, 16 and 32 groups beside one group (load everything, then
 # compute) and sglang-fs-linker, interleaved rounds, into OUTDIR/linker.json and OUTDIR/linker.log.
 # Carry: .whl .whl-fslinker
-# Usage: scripts/device/device_linker.sh OUTDIR [bench_linker.py args]
+# Usage: [NO_STACK=1] scripts/device/device_linker.sh OUTDIR [bench_linker.py args]
 set -u
 out=${1:?usage: scripts/device/device_linker.sh OUTDIR [bench_linker.py args]}
 shift
@@ -28,6 +28,7 @@ echo "bench_linker rc=$? in $((SECONDS - t0))s"
 grep -v "^INFO\|Warning\|warnings.warn\|^hicache_mp: " "$out/linker.log" | tail -n 9
 # Beside it, SGLang's HiCache path with mp for the same 2 GiB: storage -> host
 # through SGLang's real HiCacheController (its own layer-wise H2D follows).
+[ "${NO_STACK:-0}" = 1 ] && exit 0  # NO_STACK=1: the linker alone
 timeout 150 python3 scripts/sglang_stack.py --backends mp --round-mib 2048 --page-mib 8 \
   --runs 3 --no-mixed --no-trace --store /tmp --json "$out/stack.json" > "$out/stack.log" 2>&1
 echo "sglang_stack rc=$? in $((SECONDS - t0))s"
