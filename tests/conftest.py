@@ -7,8 +7,11 @@ Entries and workers that belong to another live process tree (another test
 session on the same machine) are not ours and are ignored; anything whose
 owner is this process, one of its descendants, or dead, is ours.
 
-One session hook: the fresh-interpreter import check (test_imports.py) is
-started when the session starts, so it runs beside the collection.
+One session hook: the fresh-interpreter import check (test_imports.py), the
+SGLang plugin's fresh interpreters and the two-process SGLang harnesses
+(tests/early.py) start with the session, at the lowest CPU priority, beside
+the collection and the tests before theirs. A harness's marked processes
+are its own test's to check, not the guard's while they run.
 """
 import compileall
 import importlib.util
@@ -24,6 +27,8 @@ import pytest
 
 from hicache_mp.bench.cgroups import ours_left as cgroups_left  # noqa: E402
 from shm.names import list_ours, owner_pid  # noqa: E402
+
+import early  # noqa: E402  (tests/early.py: the harnesses started with the session)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,14 +87,15 @@ def worker_pids() -> set[int]:
                 parent = json.loads(cmd[4]).get("parent_pid") if len(cmd) > 4 else None
             except (TypeError, ValueError, AttributeError):
                 continue  # no spec of ours: not one of our children
-            if ours(parent):
-                pids.add(int(entry))
+            if ours(parent) and not early.is_marked(int(entry)):
+                pids.add(int(entry))  # a harness's own are its test's to check
     return pids
 
 
 def shm_entries() -> set[str]:
     ours = _owners()
-    return {n for n in list_ours() if ours(owner_pid(n))}
+    return {n for n in list_ours()
+            if ours(owner_pid(n)) and not (owner_pid(n) and early.is_marked(owner_pid(n)))}
 
 
 def _settle(check, timeout_s=3.0):
@@ -131,6 +137,7 @@ def nothing_left_behind_by_the_module():
 _IMPORT_CHECK = os.path.join(ROOT, "tests", "test_imports.py")
 _PLUGIN_TESTS = os.path.join(ROOT, "tests", "integrations", "test_sglang_plugin.py")
 _FASTPATH_TESTS = os.path.join(ROOT, "tests", "integrations", "test_sglang_fastpath.py")
+_STACK_TESTS = os.path.join(ROOT, "tests", "integrations", "test_sglang_stack.py")
 
 
 def _collects(config, path: str) -> bool:
@@ -145,12 +152,12 @@ def _collects(config, path: str) -> bool:
 
 
 def pytest_sessionstart(session):
-    """The fresh-interpreter import check (test_imports.py) starts at once, in
-    the background: its preload of the third-party libraries then runs beside
-    the collection's imports of the same ones, on the other core. So do the
-    SGLang plugin's fresh interpreters (integrations/plugin_children.py):
-    each is mostly SGLang's import, and the tests before theirs leave the
-    other core mostly idle."""
+    """What runs in processes of its own starts at once, in the background and
+    at the lowest CPU priority (early.background), on what the collection (one
+    core) and the tests leave idle: the fresh-interpreter import check
+    (test_imports.py), the SGLang plugin's fresh interpreters
+    (integrations/plugin_children.py) and the two-process SGLang harnesses
+    (tests/early.py). Each is mostly SGLang's import; their tests read them."""
     if _collects(session.config, _IMPORT_CHECK):
         import test_imports
         test_imports.start_early()
@@ -158,6 +165,9 @@ def pytest_sessionstart(session):
         _plugin_children().start_early()
     if _collects(session.config, _FASTPATH_TESTS):
         _plugin_children().start_route_early()
+        early.start("fastpath_ranks")
+    if _collects(session.config, _STACK_TESTS):
+        early.start("sglang_ranks")
 
 
 def _plugin_children():
@@ -178,6 +188,7 @@ def pytest_unconfigure(config):
         check = sys.modules.get(name)
         if check is not None:
             check.stop_early()  # deselected, or the session was cut short
+    early.stop_all()
 
 
 @pytest.fixture

@@ -16,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 
+from early import background  # tests/early.py: nice 19, on what the tests leave idle
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "fastpath_plugin_child.py")
 
@@ -38,9 +40,9 @@ class Child:
         self.err = open(os.path.join(tmp_path, f"{mode}.stderr"), "w+")
         # a session of its own: stop() ends what it started too (the scheduler
         # mode runs SGLang's scheduler entry as its child)
-        self.proc = subprocess.Popen([sys.executable, CHILD, mode, self.out, tmp_path],
-                                     env=env, stdout=subprocess.DEVNULL, stderr=self.err,
-                                     text=True, start_new_session=True)
+        self.proc = background(subprocess.Popen(
+            [sys.executable, CHILD, mode, self.out, tmp_path], env=env,
+            stdout=subprocess.DEVNULL, stderr=self.err, text=True, start_new_session=True))
 
     def report(self) -> dict:
         try:
@@ -73,9 +75,9 @@ class Alias:
         env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_PLUGINS",
                                                                  "HICACHE_MP_FASTPATH")}
         self.files = [open(os.path.join(tmp_path, f"alias.{n}"), "w+") for n in ("out", "err")]
-        self.proc = subprocess.Popen([sys.executable, "-m", "hicache_mp", "sglang-serve", "--",
-                                      "--help"], env=env, stdout=self.files[0],
-                                     stderr=self.files[1], text=True)
+        self.proc = background(subprocess.Popen(
+            [sys.executable, "-m", "hicache_mp", "sglang-serve", "--", "--help"], env=env,
+            stdout=self.files[0], stderr=self.files[1], text=True))
 
     def result(self, timeout: int = 240) -> tuple[int, str, str]:
         try:

@@ -39,6 +39,7 @@ import sysconfig
 import threading
 import time
 
+import early  # noqa: E402  (tests/early.py)
 import plugin_children
 import pytest
 
@@ -572,34 +573,21 @@ def test_only_a_backend_that_can_answer_at_once_is_hashed_on_the_scheduler(
 
 
 @pytest.fixture(scope="module")
-def two_tp_ranks(tmp_path_factory):
+def two_tp_ranks():
     """Two TP rank processes (fastpath_rank.py), each running stock and then
     the fast path in turn: one SGLang import and one gloo group per rank serve
-    both variants (the import is most of a rank's time). Returns the exit
-    codes, the ranks' stderr tails and where their result files are."""
-    import subprocess
-    import sys
-    tmp = tmp_path_factory.mktemp("tp_ranks")
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(os.path.dirname(here))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [root, here, os.environ.get("PYTHONPATH", "")]))
-    pg, store = tmp / "pg", tmp / "store"
-    procs = [subprocess.Popen([sys.executable, os.path.join(here, "fastpath_rank.py"), str(r),
-                               "2", str(pg), str(store), str(tmp / f"r{r}.json"), "stock,fast",
-                               str(160 if r == 0 else 100)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-             for r in (0, 1)]
-    errs = []
+    both variants (the import is most of a rank's time). Started with the
+    session where it could (tests/early.py, "fastpath_ranks"). Returns the
+    exit codes, the ranks' stderr tails and where their result files are;
+    none of their processes may outlive them."""
+    import pathlib
+    run = early.take("fastpath_ranks")
     try:
-        for p in procs:
-            errs.append(p.communicate(timeout=180)[1].decode(errors="replace")[-3000:])
+        rcs, errs = run.wait()
+        assert not run.left_alive(), "the ranks left processes behind"
+        yield rcs, errs, pathlib.Path(run.dir)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [p.returncode for p in procs], errs, tmp
+        run.close()
 
 
 @pytest.mark.parametrize("variant", ["stock", "fast"])

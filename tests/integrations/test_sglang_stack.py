@@ -24,8 +24,9 @@ except ImportError as exc:
 
 from hicache_mp.bench.sglang import stack as sglang_stack  # noqa: E402
 
-SMALL = ["--round-mib", "2", "--page-mib", "0.125", "--layers", "2", "--heads", "4",
-         "--head-dim", "64", "--timeout-s", "60"]
+import early  # noqa: E402  (tests/early.py: also runs this module's node split)
+
+SMALL = early.STACK_SMALL
 
 
 def test_real_stack_moves_exact_bytes(tmp_path):
@@ -100,15 +101,24 @@ def test_tp_ranks_share_the_node_budget(tmp_path, monkeypatch):
     assert not os.path.exists(node)
 
 
-def test_ranks_in_separate_processes_split_the_node(tmp_path, monkeypatch):
+def test_ranks_in_separate_processes_split_the_node():
     """scripts/sglang_ranks.py: a lone rank, then two concurrent ranks, each
     its own process with SGLang's controller; on a node of 8 cores the lone
     rank takes 7 and the two 3 each (8 - 1 x 2 for the schedulers' processes,
     halved: one core each at 8 CPUs or fewer, decision 89), every page exact."""
-    from hicache_mp.bench.sglang import ranks as sglang_ranks
-    monkeypatch.setenv("HICACHE_MP_NODE_CORES", "8")
-    monkeypatch.setenv("HICACHE_MP_NODE_DIR", str(tmp_path / "node"))  # this test's node only
-    res = sglang_ranks.main(["--ranks", "2", *SMALL, "--runs", "1"])
+    # Run as `scripts/sglang_ranks.py --ranks 2 SMALL --runs 1 --json ...` with
+    # HICACHE_MP_NODE_CORES=8 and a node directory of its own, started with the
+    # session where it could (tests/early.py, "sglang_ranks").
+    import json
+    run = early.take("sglang_ranks")
+    try:
+        rcs, errs = run.wait()
+        assert rcs == [0], errs
+        assert not run.left_alive(), "the harness left processes behind"
+        with open(run.path("ranks.json")) as f:
+            res = json.load(f)
+    finally:
+        run.close()
     assert res["lone"]["workers"] == 7
     assert [r["workers"] for r in res["together"]] == [3, 3]
     assert res["check"]["within_cores"] and res["check"]["wrong_pages"] == 0

@@ -1,0 +1,173 @@
+"""Harnesses that run in processes of their own, started when the session
+starts (tests/conftest.py) at the lowest CPU priority (`background`), so
+their SGLang imports run on what the collection and the tests before theirs
+leave idle; their test then reads the result.
+
+Owns: the processes each harness started (a session each, marked with
+HICACHE_MP_EARLY=<name> in their environment, which their engines' workers
+inherit), their output files and directory. Must not: judge a result (its
+test does), or start anything a test did not ask for: `start(name)` only
+runs what `HARNESSES` names, with the arguments its test would give it.
+
+Nothing-left checks: while a harness runs, the per-test guard
+(tests/conftest.py) leaves its marked processes alone (they belong to no
+test that is running); once it is done, its test asserts that no marked
+process of it is alive (`Run.left_alive`), and whatever segment a dead one
+left is anybody's to find, as always.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+MARK = "HICACHE_MP_EARLY"
+
+
+def _fastpath_ranks(d: str) -> list:
+    """test_sglang_fastpath's two TP ranks: each runs stock, then the fast path."""
+    rank = os.path.join(HERE, "integrations", "fastpath_rank.py")
+    return [[sys.executable, rank, str(r), "2", os.path.join(d, "pg"), os.path.join(d, "store"),
+             os.path.join(d, f"r{r}.json"), "stock,fast", str(160 if r == 0 else 100)]
+            for r in (0, 1)]
+
+
+# test_sglang_stack's small geometry (its SMALL), here so its harness run has it too
+STACK_SMALL = ["--round-mib", "2", "--page-mib", "0.125", "--layers", "2", "--heads", "4",
+               "--head-dim", "64", "--timeout-s", "60"]
+
+
+def _sglang_ranks(d: str) -> list:
+    """test_sglang_stack's node split: scripts/sglang_ranks.py on a node of 8 cores."""
+    return [[sys.executable, os.path.join(ROOT, "scripts", "sglang_ranks.py"), "--ranks", "2",
+             *STACK_SMALL, "--runs", "1", "--json", os.path.join(d, "ranks.json")]]
+
+
+# name -> (the commands for a directory, extra environment for a directory)
+HARNESSES = {
+    "fastpath_ranks": (_fastpath_ranks, lambda d: {
+        "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(HERE, "integrations"),
+                                       os.environ.get("PYTHONPATH", "")])}),
+    "sglang_ranks": (_sglang_ranks, lambda d: {
+        "HICACHE_MP_NODE_CORES": "8", "HICACHE_MP_NODE_DIR": os.path.join(d, "node")}),
+}
+
+_started: dict = {}
+
+
+class Run:
+    """One harness's processes, started at once in a directory of their own."""
+
+    def __init__(self, name: str, timeout: int = 240):
+        commands, extra = HARNESSES[name]
+        self.name, self.timeout = name, timeout
+        self.dir = tempfile.mkdtemp(prefix=f"hicache_mp-early-{name}-")
+        env = dict(os.environ, **extra(self.dir))
+        env[MARK] = name
+        env["TMPDIR"] = self.dir  # SGLang's and torch's files stay in the harness's dir
+        self.procs, self.errs = [], []
+        for i, argv in enumerate(commands(self.dir)):
+            err = open(os.path.join(self.dir, f"stderr.{i}"), "w+")
+            self.errs.append(err)
+            self.procs.append(background(subprocess.Popen(
+                argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
+                start_new_session=True)))
+
+    def wait(self) -> tuple[list, list]:
+        """Exit codes and the last 3000 characters of each one's stderr."""
+        deadline = time.monotonic() + self.timeout
+        try:
+            for p in self.procs:
+                p.wait(max(0.1, deadline - time.monotonic()))
+        finally:
+            self.stop()
+        tails = []
+        for err in self.errs:
+            err.seek(0)
+            tails.append(err.read()[-3000:])
+        return [p.returncode for p in self.procs], tails
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.dir, name)
+
+    def left_alive(self, grace_s: float = 3.0) -> list:
+        """Processes marked as this harness's still alive after `grace_s`."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            alive = marked(self.name)
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+
+    def close(self) -> None:
+        self.stop()
+        for err in self.errs:
+            err.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def background(proc: subprocess.Popen) -> subprocess.Popen:
+    """`proc` at the lowest CPU priority (nice 19, which the processes it starts
+    inherit): it runs on what the collection and the tests leave idle, never
+    slowing them. On the 2-core box the session leaves ~280 core-seconds idle;
+    at the default priority these harnesses took them from the collection
+    (14 s alone, 57 s beside them) and from the timing-bound fault tests."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, proc.pid, 19)
+    except OSError:
+        pass  # gone already, or not allowed: it runs at the default priority
+    return proc
+
+
+def marked(name: str | None = None) -> list[int]:
+    """Live processes whose environment carries the mark (of `name`, or any)."""
+    want = f"{MARK}={name}".encode() if name else f"{MARK}=".encode()
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
+            except OSError:
+                continue
+            if any(v == want if name else v.startswith(want) for v in env):
+                out.append(int(entry))
+    return out
+
+
+def is_marked(pid: int) -> bool:
+    """Does this process carry a harness's mark (so it is no running test's)?"""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"\0{MARK}=".encode() in b"\0" + f.read()
+    except OSError:
+        return False
+
+
+def start(name: str) -> None:
+    if name not in _started:
+        _started[name] = Run(name)
+
+
+def take(name: str) -> Run:
+    """What the session started, or a fresh start; the caller closes it."""
+    start(name)
+    return _started.pop(name)
+
+
+def stop_all() -> None:
+    while _started:
+        _started.popitem()[1].close()
