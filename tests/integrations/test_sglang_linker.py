@@ -275,6 +275,34 @@ def test_no_thread_of_ours_and_nothing_left_after_close(tmp_path):
     assert not any(_alive(p) for p in pids)
 
 
+def test_the_linkers_engines_share_one_cpu_budget_without_a_warning(tmp_path, monkeypatch,
+                                                                   caplog):
+    """A node of 8 cores (this test's own registry), auto workers and 2 offload
+    workers: the writer is an auxiliary of the scheduler's process (no core
+    of its own kept for a scheduler), made first, so the reader takes what
+    it leaves: 8 - 1 (the scheduler) - 2 = 5 workers, and no budget warning
+    (made after a reader that took 7, the writer was over the budget)."""
+    import logging
+    monkeypatch.setenv("HICACHE_MP_NODE_CORES", "8")
+    monkeypatch.setenv("HICACHE_MP_NODE_DIR", str(tmp_path / "node"))
+    caplog.set_level(logging.INFO)
+    pool, alloc = device_pool()
+    link = linker(tmp_path / "store", alloc, num_workers=0, offload_workers=2)
+    try:
+        pids = link.worker_pids()
+        assert (len(pids["reader"]), len(pids["writer"])) == (5, 2), pids
+        budget = [r.getMessage() for r in caplog.records
+                  if r.levelno >= logging.WARNING and "CPU budget" in r.getMessage()]
+        assert budget == []
+        src = alloc.alloc(2 * PS)
+        assert offload(link, ["w0", "w1"], src) is True
+        dst = alloc.alloc(2 * PS)
+        assert load(link, "r", ["w0", "w1"], dst) is True
+        assert same_rows(pool, src, dst)
+    finally:
+        link.close()
+
+
 def test_bad_config_is_one_clear_error_before_any_worker(tmp_path):
     pool, alloc = device_pool()
     with pytest.raises(ValueError, match="unknown linker_extra_config key"):

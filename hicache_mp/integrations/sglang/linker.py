@@ -188,15 +188,16 @@ class HiCacheMPLinker(UnifiedCacheLinker):
         self.side: dict = {}
         self._closed = None  # close() before everything exists closes what was made
         try:
-            self.reader = PrefetchEngine(engine_config(
-                extra, storage_dir=root, host_pool_pages=groups * self.load_pages,
-                defaults={"node_engines": node_ranks(shard)}, read_parts=groups,
-                **names), self.geometry)
+            # The writer and the side pools' engines first, as auxiliaries of this
+            # process (no scheduler core of their own in the node's budget): the
+            # reader's auto count is then what they leave, and the process's
+            # engines together fit the CPU budget (made after a reader that took
+            # it all, each was over it, with a warning, or floored to one worker).
             fixed_workers = {k: v for k, v in extra.items() if k != "num_workers"}
             self.writer = PrefetchEngine(engine_config(
                 fixed_workers, storage_dir=root, host_pool_pages=offload_pages,
-                num_workers=offload_workers, **names), self.geometry)
-            self.copies.register(self.reader.host_pool.tensor)
+                num_workers=offload_workers, **names), self.geometry,
+                aux_workers=offload_workers)
             self.copies.register(self.writer.host_pool.tensor)
             for name, pool in dp.side.items():
                 side_names = dict(names, namespace_extra=f"{names['namespace_extra']}"
@@ -204,9 +205,15 @@ class HiCacheMPLinker(UnifiedCacheLinker):
                 pages = self.load_pages + offload_pages
                 eng = PrefetchEngine(engine_config(
                     fixed_workers, storage_dir=root, host_pool_pages=pages,
-                    num_workers=offload_workers, **side_names), pool.geometry())
+                    num_workers=offload_workers, **side_names), pool.geometry(),
+                    aux_workers=offload_workers)
                 self.side[name] = _Side(pool, eng, pages)
                 self.copies.register(eng.host_pool.tensor)
+            self.reader = PrefetchEngine(engine_config(
+                extra, storage_dir=root, host_pool_pages=groups * self.load_pages,
+                defaults={"node_engines": node_ranks(shard)}, read_parts=groups,
+                **names), self.geometry)
+            self.copies.register(self.reader.host_pool.tensor)
         except BaseException:
             self.close()
             raise
