@@ -277,20 +277,20 @@ def test_no_thread_of_ours_and_nothing_left_after_close(tmp_path):
 
 def test_the_linkers_engines_share_one_cpu_budget_without_a_warning(tmp_path, monkeypatch,
                                                                    caplog):
-    """A node of 8 cores (this test's own registry), auto workers and 2 offload
-    workers: the writer is an auxiliary of the scheduler's process (no core
-    of its own kept for a scheduler), made first, so the reader takes what
-    it leaves: 8 - 1 (the scheduler) - 2 = 5 workers, and no budget warning
-    (made after a reader that took 7, the writer was over the budget)."""
+    """A node of 4 cores (this test's own registry), auto workers and one
+    offload worker: the writer is an auxiliary of the scheduler's process (no
+    core of its own kept for a scheduler), made first, so the reader takes
+    what it leaves: 4 - 1 (the scheduler) - 1 = 2 workers, and no budget
+    warning (made after a reader that took 3, the writer was over the budget)."""
     import logging
-    monkeypatch.setenv("HICACHE_MP_NODE_CORES", "8")
+    monkeypatch.setenv("HICACHE_MP_NODE_CORES", "4")
     monkeypatch.setenv("HICACHE_MP_NODE_DIR", str(tmp_path / "node"))
     caplog.set_level(logging.INFO)
     pool, alloc = device_pool()
-    link = linker(tmp_path / "store", alloc, num_workers=0, offload_workers=2)
+    link = linker(tmp_path / "store", alloc, num_workers=0, offload_workers=1)
     try:
         pids = link.worker_pids()
-        assert (len(pids["reader"]), len(pids["writer"])) == (5, 2), pids
+        assert (len(pids["reader"]), len(pids["writer"])) == (2, 1), pids
         budget = [r.getMessage() for r in caplog.records
                   if r.levelno >= logging.WARNING and "CPU budget" in r.getMessage()]
         assert budget == []
