@@ -109,10 +109,12 @@ def _settle(check, timeout_s=3.0):
 
 def _guard(what: str):
     """Snapshot, run the body (the generator's caller), then fail on what is new."""
+    early.note_marked()  # the harnesses' processes, remembered past their exit
     shm_before = shm_entries()
     procs_before = worker_pids()
     cgroups_before = cgroups_left()
     yield
+    early.note_marked()
     shm_left = _settle(lambda: shm_entries() - shm_before)
     procs_left = _settle(lambda: worker_pids() - procs_before)
     cgroups = _settle(lambda: cgroups_left() - cgroups_before)

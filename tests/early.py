@@ -4,16 +4,17 @@ their SGLang imports run on what the collection and the tests before theirs
 leave idle; their test then reads the result.
 
 Owns: the processes each harness started (a session each, marked with
-HICACHE_MP_EARLY=<name> in their environment, which their engines' workers
+HICACHE_MP_EARLY=<name>:<session pid> in their environment, which their engines' workers
 inherit), their output files and directory. Must not: judge a result (its
 test does), or start anything a test did not ask for: `start(name)` only
 runs what `HARNESSES` names, with the arguments its test would give it.
 
 Nothing-left checks: while a harness runs, the per-test guard
-(tests/conftest.py) leaves its marked processes alone (they belong to no
-test that is running); once it is done, its test asserts that no marked
-process of it is alive (`Run.left_alive`), and whatever segment a dead one
-left is anybody's to find, as always.
+(tests/conftest.py) leaves its marked processes, and the /dev/shm entries
+they own, alone (they belong to no test that is running); once it is done,
+its test asserts that no process with its mark (its name and this session's
+pid) is alive and that no entry of one is left (`left_behind`). The SGLang
+plugin's fresh interpreters (integrations/plugin_children.py) carry marks too.
 """
 import os
 import shutil
@@ -67,7 +68,7 @@ class Run:
         self.name, self.timeout = name, timeout
         self.dir = tempfile.mkdtemp(prefix=f"hicache_mp-early-{name}-")
         env = dict(os.environ, **extra(self.dir))
-        env[MARK] = name
+        env[MARK] = self.mark = f"{name}:{os.getpid()}"  # this session's, not another's
         env["TMPDIR"] = self.dir  # SGLang's and torch's files stay in the harness's dir
         self.procs, self.errs = [], []
         for i, argv in enumerate(commands(self.dir)):
@@ -94,14 +95,9 @@ class Run:
     def path(self, name: str) -> str:
         return os.path.join(self.dir, name)
 
-    def left_alive(self, grace_s: float = 3.0) -> list:
-        """Processes marked as this harness's still alive after `grace_s`."""
-        deadline = time.monotonic() + grace_s
-        while True:
-            alive = marked(self.name)
-            if not alive or time.monotonic() > deadline:
-                return alive
-            time.sleep(0.05)
+    def left_behind(self, grace_s: float = 3.0) -> list:
+        """Its processes still alive, and its /dev/shm entries, after `grace_s`."""
+        return left_behind(self.mark, grace_s)
 
     def stop(self) -> None:
         for p in self.procs:
@@ -132,29 +128,67 @@ def background(proc: subprocess.Popen) -> subprocess.Popen:
     return proc
 
 
-def marked(name: str | None = None) -> list[int]:
-    """Live processes whose environment carries the mark (of `name`, or any)."""
-    want = f"{MARK}={name}".encode() if name else f"{MARK}=".encode()
-    out = []
+def _mark_of(pid) -> str | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:
+        return None
+    prefix = f"{MARK}=".encode()
+    for v in env:
+        if v.startswith(prefix):
+            return v[len(prefix):].decode(errors="replace")
+    return None
+
+
+def marked_by() -> dict:
+    """{pid: mark} of the live processes that carry a mark."""
+    out = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    env = f.read().split(b"\0")
-            except OSError:
-                continue
-            if any(v == want if name else v.startswith(want) for v in env):
-                out.append(int(entry))
+            mark = _mark_of(entry)
+            if mark is not None:
+                out[int(entry)] = mark
     return out
 
 
+def left_behind(mark: str, grace_s: float = 3.0) -> list:
+    """What a finished harness (or child) of `mark` left after `grace_s`: its
+    processes still alive, and /dev/shm entries owned by a process seen with
+    the mark."""
+    from shm.names import list_ours, owner_pid
+    deadline = time.monotonic() + grace_s
+    while True:
+        note_marked()
+        alive = [pid for pid, m in marked_by().items() if m == mark]
+        mine = {pid for pid, m in _SEEN.items() if m == mark}
+        shm = [n for n in list_ours() if owner_pid(n) in mine]
+        if not (alive or shm) or time.monotonic() > deadline:
+            return alive + shm
+        time.sleep(0.05)
+
+
+# Pids seen carrying a mark, and the mark: a harness's process that has
+# exited (its environment unreadable, or a zombie's empty) still owns what its
+# engines' workers are cleaning up after it, at nice 19, maybe seconds later.
+_SEEN: dict = {}
+
+
+def note_marked() -> None:
+    """Remember every live marked process (the guard calls it around each test)."""
+    _SEEN.update(marked_by())
+
+
 def is_marked(pid: int) -> bool:
-    """Does this process carry a harness's mark (so it is no running test's)?"""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return f"\0{MARK}=".encode() in b"\0" + f.read()
-    except OSError:
-        return False
+    """Does this process carry a harness's mark, or did it while alive (so it
+    is no running test's)? A pid reused since by another process would be
+    taken for the harness's: a leak of that one would go unseen by the guard."""
+    if pid in _SEEN:
+        return True
+    mark = _mark_of(pid)
+    if mark is not None:
+        _SEEN[pid] = mark
+    return mark is not None
 
 
 def start(name: str) -> None:

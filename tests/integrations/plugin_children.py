@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 
-from early import background  # tests/early.py: nice 19, on what the tests leave idle
+import early  # tests/early.py: nice 19, marked, on what the tests leave idle
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "fastpath_plugin_child.py")
@@ -35,12 +35,14 @@ class Child:
         if opt_in:
             env["HICACHE_MP_FASTPATH"] = "1"
         env["TMPDIR"] = tmp_path   # SGLang's ipc files (PortArgs) stay in the test's dir
+        # its processes are its test's to check (early.left_behind), not the guard's
+        env[early.MARK] = self.mark = f"plugin-{mode}:{os.getpid()}"
         self.tmp_path, self.timeout = tmp_path, timeout
         self.out = os.path.join(tmp_path, f"{mode}.json")
         self.err = open(os.path.join(tmp_path, f"{mode}.stderr"), "w+")
         # a session of its own: stop() ends what it started too (the scheduler
         # mode runs SGLang's scheduler entry as its child)
-        self.proc = background(subprocess.Popen(
+        self.proc = early.background(subprocess.Popen(
             [sys.executable, CHILD, mode, self.out, tmp_path], env=env,
             stdout=subprocess.DEVNULL, stderr=self.err, text=True, start_new_session=True))
 
@@ -52,6 +54,8 @@ class Child:
             self.err.seek(0)
             stderr = self.err.read()
         assert self.proc.returncode == 0, stderr[-3000:]
+        left = early.left_behind(self.mark)
+        assert not left, f"the {self.mark} child left processes or shared memory behind: {left}"
         with open(self.out) as f:
             report = json.load(f)
         with open(os.path.join(self.tmp_path, "plugins.log")) as f:
@@ -75,7 +79,7 @@ class Alias:
         env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_PLUGINS",
                                                                  "HICACHE_MP_FASTPATH")}
         self.files = [open(os.path.join(tmp_path, f"alias.{n}"), "w+") for n in ("out", "err")]
-        self.proc = background(subprocess.Popen(
+        self.proc = early.background(subprocess.Popen(
             [sys.executable, "-m", "hicache_mp", "sglang-serve", "--", "--help"], env=env,
             stdout=self.files[0], stderr=self.files[1], text=True))
 

@@ -584,7 +584,7 @@ def two_tp_ranks():
     run = early.take("fastpath_ranks")
     try:
         rcs, errs = run.wait()
-        assert not run.left_alive(), "the ranks left processes behind"
+        assert not run.left_behind(), "the ranks left processes or shared memory behind"
         yield rcs, errs, pathlib.Path(run.dir)
     finally:
         run.close()

@@ -114,7 +114,7 @@ def test_ranks_in_separate_processes_split_the_node():
     try:
         rcs, errs = run.wait()
         assert rcs == [0], errs
-        assert not run.left_alive(), "the harness left processes behind"
+        assert not run.left_behind(), "the harness left processes or shared memory behind"
         with open(run.path("ranks.json")) as f:
             res = json.load(f)
     finally:
