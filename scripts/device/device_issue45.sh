@@ -15,7 +15,7 @@
 # PAGES_BIG (1024), PAGES_LIST (both), POLL_ARGS, LC_ARGS ("--num-requests 12"), LC_PAIRS (5),
 # BUDGET_S (440: no new step starts after it), HARD_S (470: every step ends
 # by then, its timeout cut to fit), QUICK (1: --quick everything),
-# STEPS ("poll prefetch lc": which to run).
+# STEPS ("poll prefetch lc"; add "pin" for a --pin-workers prefetch run: which to run).
 set -u
 final=${1:?usage: scripts/device/device_issue45.sh OUTDIR}
 mkdir -p "$final"
@@ -57,6 +57,15 @@ for n in $(want prefetch && echo ${PAGES_LIST:-$PAGES_SMALL $PAGES_BIG}); do
   grep -A3 "^workers\|^scheduler loop\|^loop beside" "$out/prefetch$n.log" | head -n 8
   grep -E ">= 0\.9|<= 2 " "$out/prefetch$n.log"
 done
+# "pin" in STEPS: bench_prefetch again at PAGES_BIG with --pin-workers (workers
+# kept off the scheduler's core and its siblings), to tell placement from the
+# engine's own cost in the loop's ratio to its floor.
+if want pin; then
+  step "prefetch${PAGES_BIG}pin" 150 python3 scripts/bench_prefetch.py $q --workers 14 --pages "$PAGES_BIG" \
+    --rounds 2 --repeats "$ROUNDS" --file-cap-s 1 --pin-workers --storage-dir /tmp/hicache_mp_bp \
+    --json "$out/prefetch${PAGES_BIG}pin.json"
+  grep -E ">= 0\.9|<= 2 " "$out/prefetch${PAGES_BIG}pin.log"
+fi
 [ "${KEEP_STORES:-0}" = 1 ] || rm -rf /tmp/hicache_mp_bp
 want lc || LC_PAIRS=0
 for i in $(seq 1 "$LC_PAIRS"); do
