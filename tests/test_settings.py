@@ -48,7 +48,7 @@ def test_a_setting_declared_once_reaches_help_flags_config_and_sglang(monkeypatc
         is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
         model_name="m", extra_config={"storage_dir": store, "frobnicate_pages": "7"}))
     assert not [r for r in caplog.records if "not used by hicache_mp" in r.getMessage()]
-    cfg = backend._config(4)
+    cfg = backend.config_for(4)
     assert type(cfg) is WithOneMore and cfg.frobnicate_pages == 7
 
 

@@ -20,7 +20,7 @@ _LIVE = weakref.WeakSet()
 
 def _disown_after_fork() -> None:
     for engine in list(_LIVE):
-        engine._disown()
+        engine.disown_after_fork()
 
 
 os.register_at_fork(after_in_child=_disown_after_fork)
@@ -37,7 +37,7 @@ class Ownership:
     def _own(self) -> None:
         _LIVE.add(self)
 
-    def _disown(self) -> None:
+    def disown_after_fork(self) -> None:
         """In a forked child: the engine is the parent's. Runs in the at-fork hook,
         so it takes no lock (another parent thread may have held one at the fork)."""
         self._forked = True

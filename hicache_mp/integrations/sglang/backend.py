@@ -198,7 +198,7 @@ class HiCacheMP(HiCacheStorage):
         if chosen:
             g, why = None, '"zero_copy": false in the extra-config'
         if g is not None:
-            self.engine = self._start(self._config(int(mem_pool_host.page_num)), g,
+            self.engine = self._start(self.config_for(int(mem_pool_host.page_num)), g,
                                       pool_fd=mem_pool_host.fd)
             self.zero_copy, self.geometry, self.fallback_reason = True, g, ""
             log.info("hicache_mp: zero-copy into SGLang's %s host pool (%d pages of %d bytes, "
@@ -207,7 +207,7 @@ class HiCacheMP(HiCacheStorage):
             return
         self.fallback_reason = why
         self.geometry = pool_geometry(mem_pool_host, self.is_mla)
-        self._staging = self._new_staging(self._start(self._config(self.own.staging_pages),
+        self._staging = self._new_staging(self._start(self.config_for(self.own.staging_pages),
                                                       self.geometry, why=why))
         self.engine = self._staging.engine
         log.warning("hicache_mp: not zero-copy: %s; pages are staged through an engine-owned "
@@ -247,7 +247,9 @@ class HiCacheMP(HiCacheStorage):
         """Every extra-config key anyone reads."""
         return known_keys()
 
-    def _config(self, pages: int) -> EngineConfig:
+    def config_for(self, pages: int) -> EngineConfig:
+        """This backend's engine settings for a host pool of `pages` (its KV
+        engine's, its staging engine's and, through it, the hybrid sidecars')."""
         return engine_config(self.extra, storage_dir=self.storage_dir, host_pool_pages=pages,
                              defaults={"node_engines": node_ranks(self.shard)},
                              **self.shard.engine_names())
@@ -407,7 +409,7 @@ class HiCacheMP(HiCacheStorage):
                     self._warn_once("legacy", "hicache_mp: SGLang called the legacy (non-v1) API; "
                                     "set \"interface_v1\": 1 in the extra-config so pages move "
                                     "zero-copy. Staging these through a second engine.")
-                    cfg = self._config(self.own.staging_pages)
+                    cfg = self.config_for(self.own.staging_pages)
                     cfg.num_workers = 1
                     self._staging = self._new_staging(
                         PrefetchEngine(cfg, self.geometry.with_layout("page_first")),

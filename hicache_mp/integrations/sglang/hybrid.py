@@ -168,7 +168,7 @@ class HybridPools:
         # register() refused a staged page over the cap: at least one fits
         pages = pool_pages or max(1, min(SIDECAR_STAGING_PAGES,
                                          b.own.sidecar_staging_bytes // layout.page_bytes))
-        cfg = b._config(pages)
+        cfg = b.config_for(pages)
         names = {}
         if name == MAMBA:   # TP-sharded even when the KV is MLA (replicated)
             names = {"tp_rank": b.shard.tp_rank, "tp_size": b.shard.tp_size}
