@@ -159,8 +159,9 @@ def left_behind(mark: str, grace_s: float = 3.0) -> list:
     from shm.names import list_ours, owner_pid
     deadline = time.monotonic() + grace_s
     while True:
-        note_marked()
-        alive = [pid for pid, m in marked_by().items() if m == mark]
+        live = marked_by()
+        _SEEN.update(live)
+        alive = [pid for pid, m in live.items() if m == mark]
         mine = {pid for pid, m in _SEEN.items() if m == mark}
         shm = [n for n in list_ours() if owner_pid(n) in mine]
         if not (alive or shm) or time.monotonic() > deadline:
