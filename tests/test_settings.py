@@ -4,9 +4,9 @@ A setting added as one field of EngineConfig shows up in `hicache-mp bench
 --help`, in the parsed command line, in EngineConfig and, through SGLang's
 real storage factory, in the SGLang adapter's extra config.
 
-Reaches inside: the SGLang adapter's `_config` (the EngineConfig it would
-start its engine with, from its extra config: read without a host pool and
-workers, which the public register_mem_pool_host() would start).
+The SGLang adapter's settings are read through its `config_for` (the
+EngineConfig it would start its engine with, from its extra config), without
+a host pool and workers, which register_mem_pool_host() would start.
 """
 import logging
 from dataclasses import dataclass
