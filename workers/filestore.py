@@ -7,9 +7,9 @@ moving damaged files aside, the scan and free space. Must not know about
 rings, ops or the pool: bytes go between iovecs and a file, and a status
 comes back.
 
-A read is: open the leaf directory, open the page file, one preadv (header
-and payload straight into the pool slot's iovecs, plus an overflow guard),
-check, close. A write is a pwritev into a private temp file
+A read is: open the page file in its leaf directory (kept open, see below),
+one preadv (header and payload straight into the pool slot's iovecs, plus an
+overflow guard), check, close. A write is a pwritev into a private temp file
 (workers.tmpfiles) and os.replace over the final name, so readers see the
 old page or the new one, never a part. Buffered, and when the caller's
 `bufs` carries a `gate`, the pwritev goes in pieces (workers.fileio.pieces)
@@ -41,9 +41,16 @@ the engine made (0700), or made by a plain mkdir (0755), stays owner-only
 below, as before. The modes are set whatever the umask (fchmod where it took
 bits away).
 
-Fan-out directories are opened (and made, for a write) on every I/O, never
-remembered: after `rm -rf store/*`, or the store directory removed and made
-again, the next write makes its directories anew.
+Fan-out directories are opened (and made, for a write) on every write and
+lookup: after `rm -rf store/*`, or the store directory removed and made
+again, the next write makes its directories anew. A read remembers the leaf
+directories it found (`_LEAVES` of them, by fan-out prefix, the oldest
+dropped first) and opens its page with one openat there: the directory walk
+was three opens and two closes, a third of what a layer group's read
+(decision 101) costs beside its copy. A read that misses through a
+remembered leaf walks again before it says MISS, as the directory may have
+been removed and made again since; a store moved elsewhere whole is read
+where it went until then, and its pages are the same pages.
 
 The LRU stamp: after a good read the file's times are set to now
 (futimens on the open descriptor), at most once per TOUCH_INTERVAL_S per
@@ -62,6 +69,10 @@ from workers.store import DIR_MODE, Page, PageStore, Scan, StoreIO, free_bytes
 from workers.timing import TOUCH_INTERVAL_S
 
 _TOUCH_MEMORY = 1 << 16  # digests remembered for that rate limit, then forgotten
+# Leaf directories a reader keeps open: a batch's pages spread over about as
+# many leaves as pages (65,536 of them), so this covers a worker's share of a
+# large batch, and stays well inside the default 1,024 open files.
+_LEAVES = 256
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _SUB_FLAGS = _DIR_FLAGS | os.O_NOFOLLOW
 # O_NONBLOCK: an open of a FIFO returns at once instead of waiting for a
@@ -94,6 +105,7 @@ class FileStore(PageStore):
         self.open_flags = directio.O_DIRECT if self.io.direct else 0
         self.file_bytes = pagefile.HEADER_SIZE + self.io.payload_len
         self.touched: dict[bytes, float] = {}
+        self.leaves: dict[str, int] | None = None  # fan-out prefix -> open leaf (remember_leaves)
         self.serials = itertools.count(1)  # temp and quarantine names; thread-safe under the GIL
 
     # --- directories ----------------------------------------------------------
@@ -122,8 +134,35 @@ class FileStore(PageStore):
             os.close(leaf)
 
     # --- reads ------------------------------------------------------------------
+    def remember_leaves(self) -> None:
+        """Keep the leaf directories reads find open (one reading thread only:
+        a leaf dropped by one thread could be closed under another's openat)."""
+        if self.leaves is None:
+            self.leaves = {}
+
     def read(self, digest: bytes, iovecs, bufs, ranges=None) -> tuple[int, int]:
         h = digest.hex()
+        if self.leaves is None:
+            return self._read_walking(h, digest, iovecs, bufs, ranges)
+        known = self.leaves.get(h[:4])
+        if known is not None:
+            got = self._read_at(known, h, digest, iovecs, bufs, ranges)
+            if got is not None:
+                return got
+            self._forget_leaf(h[:4])  # no such file there: maybe a directory since removed
+        try:
+            leaf = self._leaf(h, create=False)
+        except FileNotFoundError:
+            return status.MISS, 0
+        except OSError as exc:
+            return status.UNREADABLE, exc.errno or 0
+        got = self._read_at(leaf, h, digest, iovecs, bufs, ranges)
+        if len(self.leaves) >= _LEAVES:
+            self._forget_leaf(next(iter(self.leaves)))
+        self.leaves[h[:4]] = leaf
+        return got if got is not None else (status.MISS, 0)
+
+    def _read_walking(self, h: str, digest: bytes, iovecs, bufs, ranges) -> tuple[int, int]:
         try:
             leaf = self._leaf(h, create=False)
         except FileNotFoundError:
@@ -131,45 +170,59 @@ class FileStore(PageStore):
         except OSError as exc:
             return status.UNREADABLE, exc.errno or 0
         try:
-            name = h + naming.PAGE_SUFFIX
-            try:
-                fd = os.open(name, _READ_FLAGS | self.open_flags, dir_fd=leaf)
-            except FileNotFoundError:
-                return status.MISS, 0
-            except OSError as exc:
-                return (status.MISS if exc.errno == errno.ESTALE else status.UNREADABLE), exc.errno or 0
-            try:
-                try:
-                    st_ = os.fstat(fd)
-                    mode, size = st_.st_mode, st_.st_size
-                except OSError as exc:
-                    # a network filesystem (FUSE: JuiceFS) may fail fstat of a file
-                    # replaced since the open (ENOENT): gone, as a failed read says
-                    return (status.MISS if exc.errno in _GONE else status.UNREADABLE), \
-                        exc.errno or 0
-                if not stat.S_ISREG(mode):
-                    # A FIFO, a device node, a directory: no page, and reading it may
-                    # block (a FIFO, a terminal) or copy a device's bytes. Not moved
-                    # aside: an operator's business, as other unreadable files are.
-                    return status.UNREADABLE, _not_a_file_errno(mode)
-                if ranges is not None:
-                    return self._read_ranges(fd, digest, iovecs, bufs, ranges, size)
-                want = self.file_bytes
-                try:
-                    got = preadv_full(fd, [bufs.header, *iovecs, bufs.overflow],
-                                      want + len(bufs.overflow), self.io.direct)
-                except OSError as exc:
-                    return (status.MISS if exc.errno in _GONE else status.UNREADABLE), exc.errno or 0
-                code = self._check(got, want, digest, iovecs, bufs.header)
-                if code in _MOVE_ASIDE and self.io.quarantine:
-                    self._move_aside(leaf, name, fd, code)  # while fd still names the file judged
-                elif code == status.OK:
-                    self._stamp(fd, digest)
-                return code, 0
-            finally:
-                os.close(fd)
+            got = self._read_at(leaf, h, digest, iovecs, bufs, ranges)
         finally:
             os.close(leaf)
+        return got if got is not None else (status.MISS, 0)
+
+    def _forget_leaf(self, prefix: str) -> None:
+        os.close(self.leaves.pop(prefix))
+
+    def close(self) -> None:
+        """Close the leaf directories reads kept open."""
+        while self.leaves:
+            self._forget_leaf(next(iter(self.leaves)))
+
+    def _read_at(self, leaf: int, h: str, digest: bytes, iovecs, bufs, ranges):
+        """The page read in the open leaf directory: (status, errno), or None
+        where the leaf holds no file of that name."""
+        name = h + naming.PAGE_SUFFIX
+        try:
+            fd = os.open(name, _READ_FLAGS | self.open_flags, dir_fd=leaf)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            return (status.MISS if exc.errno == errno.ESTALE else status.UNREADABLE), exc.errno or 0
+        try:
+            try:
+                st_ = os.fstat(fd)
+                mode, size = st_.st_mode, st_.st_size
+            except OSError as exc:
+                # a network filesystem (FUSE: JuiceFS) may fail fstat of a file
+                # replaced since the open (ENOENT): gone, as a failed read says
+                return (status.MISS if exc.errno in _GONE else status.UNREADABLE), \
+                    exc.errno or 0
+            if not stat.S_ISREG(mode):
+                # A FIFO, a device node, a directory: no page, and reading it may
+                # block (a FIFO, a terminal) or copy a device's bytes. Not moved
+                # aside: an operator's business, as other unreadable files are.
+                return status.UNREADABLE, _not_a_file_errno(mode)
+            if ranges is not None:
+                return self._read_ranges(fd, digest, iovecs, bufs, ranges, size)
+            want = self.file_bytes
+            try:
+                got = preadv_full(fd, [bufs.header, *iovecs, bufs.overflow],
+                                  want + len(bufs.overflow), self.io.direct)
+            except OSError as exc:
+                return (status.MISS if exc.errno in _GONE else status.UNREADABLE), exc.errno or 0
+            code = self._check(got, want, digest, iovecs, bufs.header)
+            if code in _MOVE_ASIDE and self.io.quarantine:
+                self._move_aside(leaf, name, fd, code)  # while fd still names the file judged
+            elif code == status.OK:
+                self._stamp(fd, digest)
+            return code, 0
+        finally:
+            os.close(fd)
 
     def _read_ranges(self, fd: int, digest: bytes, iovecs, bufs, ranges, size: int) -> tuple[int, int]:
         """A layer group of the page (decision 101): its header, checked as a

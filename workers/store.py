@@ -132,6 +132,18 @@ class PageStore:
     def parts(self) -> list:
         return [self]
 
+    def remember_leaves(self) -> None:
+        """Reads may keep what they open for the next (FileStore's leaf directories)."""
+        for part in self.parts():
+            if part is not self:
+                part.remember_leaves()
+
+    def close(self) -> None:
+        """Let go of what reads keep open."""
+        for part in self.parts():
+            if part is not self:
+                part.close()
+
     def create(self) -> None:
         """Make the store's directories (owner-only) if they are missing;
         StoreDirError for one that cannot be made. A directory that exists but

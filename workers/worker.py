@@ -118,6 +118,8 @@ class Worker:
         self.pushed = self.control.pushed[self.index:self.index + 1]   # workers.control: Pushed
         self.heartbeat = self.control.heartbeat[self.index]
         self.depth = spec.io_depth
+        if self.depth == 1:  # reads on this thread alone (the write lane only writes)
+            self.store.remember_leaves()
         self.lane = Lane(self.direct, 0)  # the loop's own; run_lanes makes one per thread
         self.file_bytes = pagefile.HEADER_SIZE + self.payload_len
         self.capped = spec.capacity
@@ -138,7 +140,10 @@ class Worker:
     # --- the loop -----------------------------------------------------------
     def run(self) -> int:
         self.stats[READY_PID] = self.pid
-        orphaned = run_lanes(self) if self.depth > 1 else self._run_inline()
+        try:
+            orphaned = run_lanes(self) if self.depth > 1 else self._run_inline()
+        finally:
+            self.store.close()
         if orphaned:
             self._unlink_all()
         return 0

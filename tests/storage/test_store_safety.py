@@ -32,12 +32,18 @@ def _remake(store):
 @pytest.mark.parametrize("wipe", [_wipe_contents, _remake], ids=["rm_rf_contents", "dir_remade"])
 def test_backups_keep_working_after_the_store_is_wiped(store, wipe, io_depth):
     """#11.2: fan-out directories are made again after `rm -rf store/*` or a
-    store directory removed and made again, with no worker restart."""
+    store directory removed and made again, with no worker restart. The reads
+    before the wipe left their leaf directories open in the workers (io_depth
+    1): after it, those pages are misses, and once written again, the new
+    pages' bytes, never an error or the old version."""
     keys = [f"w{i}" for i in range(16)]
     with make(store, pages=32, workers=2, io_depth=io_depth) as e:
         assert backup(e, keys, range(16)).status == "ok"
+        assert prefetch(e, keys, range(16, 32)).status == "ok"
         pids = e.worker_pids()
         wipe(store)
+        gone = prefetch(e, keys, range(16, 32))
+        assert gone.status_counts() == {"miss": 16}, gone.status_counts()
         op = backup(e, keys, range(16), version=1)
         assert op.status == "ok", op.status_counts()
         r = prefetch(e, keys, range(16, 32))
