@@ -122,7 +122,7 @@ from .integrations.sglang.layouts import RAW_LAYOUTS
 from .integrations.sglang import serve as sglang_serve
 from .integrations.sglang.store_import import import_sglang_store, shards_for
 
-BACKEND_CHOICES = ("all", "none", "file", "fast_file", "mp")
+BACKEND_CHOICES = ("all", "none", "file", "fast_file", "mp", "mp-direct")
 LAYOUTS = ("page_first", "layer_first")
 
 
@@ -201,7 +201,13 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
                         "of ~250 MB. Finishes in well under 3 minutes on 2 CPU cores")
     p.add_argument("--hicache-storage-backend", choices=BACKEND_CHOICES, default="all",
                    help="'all' runs none, file, file+yield, fast_file and mp one after another; "
-                        "a single name runs only that backend")
+                        "a single name runs only that backend. mp-direct (not in 'all'): SGLang's "
+                        "direct L3 path through hicache_mp's linker: no host tier, a request's "
+                        "prefix read a layer group at a time when its first chunk runs, the "
+                        "forward waiting per layer (docs/design.md, the direct L3 path)")
+    p.add_argument("--layer-groups", type=int, default=0, metavar="G",
+                   help="mp-direct: layer groups a page is read in (a divisor of the layers); "
+                        "0 = the linker's auto rule (groups of at least 1 MiB, at most 8)")
     p.add_argument("--fast-file-read-workers", type=_worker_counts, default="1", metavar="N[,N..]",
                    help="read threads of the fast_file replica (SGLang PR #39880's read_workers); "
                         "a list runs fast_file once per count (e.g. 1,4)")
@@ -380,6 +386,8 @@ def bench_config(args):
         runs, yield_ms = (fast_files if backend == "fast_file" else (backend,)), 0.0
     if args.num_requests < 1:
         raise SystemExit("--num-requests must be at least 1")
+    if args.layer_groups < 0:
+        raise SystemExit("--layer-groups must be 0 (auto) or a divisor of the model's layers")
     if args.scheduler_idle_sleep0:
         runs = tuple(r if r == "none" else r + SLEEP0 for r in runs)
     options = engine_options(args)
@@ -392,6 +400,7 @@ def bench_config(args):
                        fast_file_write_workers=args.fast_file_write_workers,
                        storage_dir=args.storage_dir, host_pool_pages=args.host_pool_pages,
                        verify=not args.no_verify, device_load=args.device_load,
+                       layer_groups=args.layer_groups,
                        engine_options=options)  # the other engine flags, every engine
 
 

@@ -13,8 +13,10 @@ completed) and the copy math between a slot's page-first bytes
 tensors (SGLang's `k_buffer`/`v_buffer`, or MLA's `kv_buffer`), addressed by
 token index, so any slot order and any device order work.
 
-Must not: do file I/O, decide when a layer may be copied (the linker does,
-from its ops), or block: every call queues asynchronous work and returns an
+Also owns the layer-group rule (`auto_groups`) and the slot runs a layered
+load takes (`SlotRuns`), shared by the linker and the reference scheduler's
+direct-path run. Must not: do file I/O, decide when a layer may be copied
+(the linker does, from its ops), or block: every call queues asynchronous work and returns an
 event; `synchronize` is the caller's choice. Without CUDA the same calls run
 as plain tensor copies with events that have always completed (the CPU tests).
 """
@@ -123,3 +125,41 @@ class LayerCopies:
         for r in self._registrations:
             r.close()
         self._registrations = []
+
+
+def auto_groups(layers: int, page_bytes: int) -> int:
+    """The most layer groups (at most 8) that divide `layers` and keep a group's
+    reads at 1 MiB or more: smaller reads cost more in opens than they gain."""
+    best = 1
+    for g in range(1, min(8, layers) + 1):
+        if layers % g == 0 and page_bytes // g >= (1 << 20):
+            best = g
+    return best
+
+
+class SlotRuns:
+    """Free runs of a host pool's slots: first fit, neighbours merged when given
+    back. LayerCopies copies a run of slots (one DMA), so a batch's slots are one run."""
+
+    def __init__(self, size: int):
+        self.free = [(0, size)]
+
+    def take(self, n: int) -> int | None:
+        for i, (start, length) in enumerate(self.free):
+            if length >= n:
+                self.free[i] = (start + n, length - n)
+                if length == n:
+                    del self.free[i]
+                return start
+        return None
+
+    def give(self, start: int, n: int) -> None:
+        runs = sorted(self.free + [(start, n)])
+        merged = [runs[0]]
+        for s, length in runs[1:]:
+            ps, pl = merged[-1]
+            if ps + pl == s:
+                merged[-1] = (ps, pl + length)
+            else:
+                merged.append((s, length))
+        self.free = merged

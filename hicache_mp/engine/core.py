@@ -268,7 +268,9 @@ class EngineCore(IndexLookups, Closing, Ownership):
                    "stale_tmp_removed": self._index.stale_tmp_removed,
                    "poll_calls": self._poll_calls,
                    "page_bytes": self.geometry.page_bytes, "lazy_polls_skipped": 0}  # the backend's count, if it polls lazily
-            out.update(self._ledger.metrics(now, self.geometry.page_bytes))
+            # A read moves a slot's bytes: a layer group with read_parts (whose
+            # engine writes nothing), else a page, as every write does.
+            out.update(self._ledger.metrics(now, self.slot_geometry.page_bytes))
             out.update(self._io.metrics(now))
             # the index's scans, and whether the evictor has measured the store (mp)
             out["store_scan"] = {**self._index.scan_metrics(),

@@ -19,6 +19,7 @@ FLAGS = ("--quick", "--hicache-storage-backend", "--hicache-mp-workers",
          "--hicache-storage-prefetch-policy", "--prefetch-timeout-s", "--page-size",
          "--hicache-mem-layout", "--storage-dir", "--scheduler-yield-ms", "--num-requests",
          "--seed", "--host-pool-pages", "--json", "--plot", "--no-verify", "--device-load",
+         "--layer-groups",
          "--fast-file-read-workers", "--fast-file-write-workers", "--merge",
          "--scheduler-idle-sleep0")
 # Engine flags come from the settings registry (hicache_mp.engine.config): each must be in --help.

@@ -10,7 +10,9 @@ prefetch but a best_effort one at its scheduling (`scheduler` does both).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -20,6 +22,8 @@ class Batch:
     end_s: float
     items: list                      # [(req, tokens)]
     finished_some: bool = False      # finishing it finished some request
+    charged_s: float = 0.0           # the forward's own time (the ComputeModel's)
+    loads: list = field(default_factory=list)  # mp-direct: the loads its layers wait for
 
 
 class Batches:
@@ -37,7 +41,7 @@ class Batches:
         self._device_wait = False
         if queue:
             budget = cfg.compute.chunk_tokens
-            items = []
+            items, loads = [], []
             for q in queue:
                 if budget <= 0:
                     break
@@ -45,6 +49,14 @@ class Batches:
                     self._settle(q, now_ns)
                     self.prefetching.remove(q)
                     self.ready.append(q)
+                if q.load is None and q.hit_pages and self.direct is not None:
+                    # mp-direct's first chunk: its load starts with the forward
+                    load = self.direct.start(q.r.rid, q.keys[:q.hit_pages])
+                    if load is None:
+                        self._device_wait = True
+                        continue  # no slots (or device pages) free yet
+                    q.load = load
+                    loads.append(load)
                 if q.op is not None:  # first chunk: its pages go to the GPU now
                     if q.h2d is not None and not q.h2d.done:
                         self._device_wait = True
@@ -58,12 +70,16 @@ class Batches:
             self.ready.sort(key=fifo_order)
             if items:
                 tokens = sum(t for _, t in items)
-                return Batch("prefill", now_s, now_s + cfg.compute.prefill_s(tokens), items)
+                charged = cfg.compute.prefill_s(tokens)
+                # With loads its end waits for their layers (DirectLoads.end_s).
+                end = float("inf") if loads else now_s + charged
+                return Batch("prefill", now_s, end, items, charged_s=charged, loads=loads)
             # Every ready request's KV is still on the way to the device: none
             # can be scheduled (SGLang's prefill skips them), so decode goes on.
         if self.running:
-            return Batch("decode", now_s, now_s + cfg.compute.decode_s(1),
-                         [(q, 1) for q in self.running])
+            step = cfg.compute.decode_s(1)
+            return Batch("decode", now_s, now_s + step, [(q, 1) for q in self.running],
+                         charged_s=step)
         return None
 
     def _finish(self, batch: Batch, now_s: float) -> None:
@@ -75,10 +91,17 @@ class Batches:
                 (self.finished if len(q.token_s) >= q.r.output_len else still).append(q)
             self.running = still
         else:
+            wait = 0.0  # only a batch with loads waits for layers
+            if batch.loads:
+                now_ns = time.perf_counter_ns()
+                for load in batch.loads:
+                    self._direct_landed(load, now_ns)
+                wait = max(0.0, batch.end_s - batch.start_s - batch.charged_s)
             for q, take in batch.items:
                 before = q.done_tokens
                 q.done_tokens += take
-                q.prefill_s += batch.end_s - batch.start_s
+                q.prefill_s += batch.charged_s
+                q.wait_s += wait
                 self._write_back(q, before, q.done_tokens)
                 if q.done_tokens >= q.r.prompt_len:
                     q.token_s.append(now_s)   # prefill yields the first token
@@ -90,6 +113,10 @@ class Batches:
                 if q.dev is not None:
                     self.dev_slots.release(q.dev)
                     q.dev = None
+        if self.direct is not None:
+            for q in self.finished[before_done:]:
+                if q.load is not None:
+                    self.direct.release_device(q.load)
         self.batches.append((batch.kind, batch.start_s, batch.end_s,
                              sum(t for _, t in batch.items), len(batch.items)))
 

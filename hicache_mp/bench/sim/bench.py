@@ -2,8 +2,9 @@
 
 Owns the bench configuration (full scale and `--quick`), host-pool sizing,
 the warm-up pass, one measured run per backend (`none`, `file`, `file` with
-the yield workaround, `fast_file` at one or more read-thread counts, `mp`) on
-the same store, and the report's header. Must not parse argv
+the yield workaround, `fast_file` at one or more read-thread counts, `mp`, and
+on request `mp-direct`: SGLang's direct L3 path, `direct`) on the same store,
+and the report's header. Must not parse argv
 (`hicache_mp.cli`), run the loop (`scheduler`), work out a run's figures
 (`report`, whose names the CLI imports from here too) or format text
 (`summary`).
@@ -18,10 +19,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from hicache_mp import EngineConfig, PageGeometry, make_engine
+from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine, make_engine
 from workers import naming
+
+from ...device.layered import auto_groups
 from workers.stores import open_store
 
+from .direct import DirectLoads, device_planes
 from .instant import InstantStore
 from .pagecache import resident_share
 from .pagebytes import PageBytes
@@ -39,6 +43,7 @@ QUICK_GEOMETRY = {"num_layers": 4, "num_kv_heads": 4, "head_dim": 64}    # 256 K
 QUICK_PROMPT_SCALE = 0.1
 QUICK_TIME_SCALE = 0.2
 ALL_RUNS = ("none", "file", "file+yield", "fast_file", "mp")
+DIRECT = "mp-direct"   # SGLang's direct L3 path through hicache_mp's linker (on request)
 POOL_RAM_SHARE = 0.4       # most of the host pool a run may take of free shm / RAM
 WARMUP_BATCH_BYTES = 2 << 30
 
@@ -63,6 +68,8 @@ class BenchConfig:
     device_load: str = "auto"       # auto: load prefetched pages to the GPU when CUDA is there;
                                     # on: also on the CPU fallback; off: never
     max_run_s: float = 3600.0
+    layer_groups: int = 0           # mp-direct: layer groups a page is read in; 0: the
+                                    # linker's rule (device.layered.auto_groups)
     engine_options: dict = field(default_factory=dict)  # more EngineConfig fields (storage flags)
     geometry: dict = field(default_factory=dict)   # overrides (tests)
     prompt_scale: float | None = None   # None: 1.0, or QUICK_PROMPT_SCALE with --quick
@@ -95,8 +102,8 @@ def run_spec(label: str, yield_ms: float, write_workers: int = 1) -> tuple[str, 
         if not n.isdigit() or int(n) < 1:
             raise ValueError(f"bad fast_file run {label!r}: fast_file-r<read workers>")
         return "fast_file", 0.0, {"read_workers": int(n), "write_workers": write_workers}
-    if label not in ("none", "file", "mp"):
-        raise ValueError(f"unknown run {label!r}; choose from {ALL_RUNS}")
+    if label not in ("none", "file", "mp", DIRECT):
+        raise ValueError(f"unknown run {label!r}; choose from {ALL_RUNS + (DIRECT,)}")
     return label, 0.0, {}
 
 
@@ -118,6 +125,7 @@ class Bench:
         self.arrival_scale = ts
         self.pool_pages = cfg.host_pool_pages or self._auto_pool_pages()
         self._check_pool()
+        self.direct_groups = self._check_direct() if DIRECT in cfg.runs else None
         self.nonce = secrets.token_hex(4)
         self.pagebytes = PageBytes(self.geometry, seed=cfg.seed)
         self.cpu_budget = None  # the report's cpu_budget, from the warm-up's engine
@@ -266,9 +274,12 @@ class Bench:
         sleep0 = label.endswith(SLEEP0)
         backend, yield_ms, options = run_spec(label[:-len(SLEEP0)] if sleep0 else label,
                                               cfg.yield_ms, cfg.fast_file_write_workers)
+        direct = None
         if backend == "none":
             keys = [k for r in self.requests for k in r.page_keys(cfg.page_size)]
             engine = InstantStore(keys, self.geometry.page_bytes)
+        elif backend == DIRECT:
+            engine, direct = self._direct_engines(store)
         else:
             engine = make_engine(backend, EngineConfig(
                 storage_dir=store, num_workers=cfg.workers, host_pool_pages=self.pool_pages,
@@ -281,8 +292,13 @@ class Bench:
                 # before decision 110: this measures serving, not start-up
                 # (scripts/bench_startup.py does that).
                 engine.wait_scanned()
-            loader = self._loader(engine) if backend != "none" else None
+            if direct is not None:
+                direct.reader.wait_scanned()
+            loader = self._loader(engine) if backend in ("mp", "file", "fast_file") else None
             extra = f", {engine.metrics()['workers']} workers" if backend == "mp" else ""
+            if direct is not None:
+                extra = (f", {direct.reader.metrics()['workers']} workers reading {direct.groups} "
+                         f"layer groups a page, layers to {direct.device or 'no device'}")
             if backend == "fast_file":
                 extra = f", {options['read_workers']} read / {options['write_workers']} write threads"
             if loader is not None:
@@ -296,7 +312,9 @@ class Bench:
             sched = Scheduler(label, engine, self.requests, SchedulerConfig(
                 page_size=cfg.page_size, compute=self.compute, max_in_flight=MAX_IN_FLIGHT,
                 arrival_scale=self.arrival_scale, policy=cfg.policy, timeout_s=cfg.timeout_s,
-                yield_ms=yield_ms, idle_sleep0=sleep0, host_slots=self.pool_pages,
+                yield_ms=yield_ms, idle_sleep0=sleep0,
+                host_slots=self.pool_pages if direct is None else engine.host_pool.num_pages,
+                direct=direct,
                 key_salt=f"{self.nonce}.{label}:", verify=cfg.verify,
                 page_bytes_gen=self.pagebytes, max_run_s=cfg.max_run_s, loader=loader,
                 progress=lambda done, total, t: self._progress(label, engine, done, total, t)))
@@ -305,6 +323,9 @@ class Bench:
             return res
         finally:
             namespace = getattr(engine, "namespace", None)
+            if direct is not None:
+                direct.close()
+                direct.reader.close()
             engine.close()
             if namespace is not None:
                 self._drop_write_backs(store, namespace, label)
@@ -314,6 +335,48 @@ class Bench:
         if label != "none":
             line += f"; {engine.metrics()['read_bytes'] / 1e9:.2f} GB prefetched so far"
         self.log(line)
+
+    def _direct_engines(self, store: str):
+        """mp-direct's two engines, as the linker makes them: a writer of whole
+        pages (the write-backs; an auxiliary, made first) and a reader of layer
+        groups (the loads; auto workers get what the writer leaves), with the
+        device KV planes its copies fill."""
+        cfg, g, groups = self.cfg, self.geometry, self.direct_groups
+        common = dict(storage_dir=store, prefetch_policy=cfg.policy,
+                      prefetch_timeout_s=cfg.timeout_s, **cfg.engine_options)
+        writer = PrefetchEngine(EngineConfig(num_workers=1, host_pool_pages=self._headroom_pages(),
+                                             **common), g, aux_workers=1)
+        reader = None
+        try:
+            reader = PrefetchEngine(EngineConfig(num_workers=cfg.workers, read_parts=groups,
+                                                 host_pool_pages=groups * self.pool_pages,
+                                                 **common), g)
+            device = planes = None
+            if cfg.device_load != "off":
+                import torch
+                if torch.cuda.is_available() or cfg.device_load == "on":
+                    device = "cuda" if torch.cuda.is_available() else "cpu"
+                    planes = device_planes(g, self.pool_pages, device)
+            return writer, DirectLoads(reader, groups, cfg.page_size, planes, device,
+                                       self.pool_pages)
+        except BaseException:
+            if reader is not None:
+                reader.close()
+            writer.close()
+            raise
+
+    def _check_direct(self) -> int:
+        """mp-direct's layer groups, or a ValueError before any store or worker."""
+        g = self.geometry
+        if g.layout != "page_first":
+            raise ValueError(f"{DIRECT} reads layer groups into page_first slots, as SGLang's "
+                             "direct linker does: use --hicache-mem-layout page_first")
+        groups = self.cfg.layer_groups or auto_groups(g.num_layers, g.page_bytes)
+        try:
+            g.layer_part(groups)
+        except ValueError as exc:  # names the divisors
+            raise ValueError(f"--layer-groups {groups}: {exc}") from None
+        return groups
 
     def _loader(self, engine):
         """A DeviceLoader over the engine (closed with it), or None."""

@@ -54,6 +54,16 @@ class PageBytes:
         host_pool.page_view(slot)[0, 0, 0, 0, :n].copy_(
             digest[:n * self.geometry.itemsize].view(self._dtype))
 
+    def matches_part(self, host_pool, slot: int, key: str, part: int, parts: int) -> bool:
+        """A slot of a layer-parts pool (decision 101) holds layer group `part`
+        of `parts` of `key`'s page: [kv][the group's layers][...]."""
+        g = self.geometry
+        want = self.expected(key).reshape(g.kv_count, g.num_layers, -1)
+        layers = g.num_layers // parts
+        want = want[:, part * layers:(part + 1) * layers]
+        got = host_pool.page_view(slot).contiguous().view(-1).view(self._torch.uint8).numpy()
+        return bool(np.array_equal(got, want.ravel()))
+
     def matches(self, host_pool, slot: int, key: str) -> bool:
         got = host_pool.page_view(slot).contiguous().view(-1).view(self._torch.uint8).numpy()
         return bool(np.array_equal(got, self.expected(key)))

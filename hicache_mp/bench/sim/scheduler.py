@@ -63,6 +63,8 @@ from .summary import RequestResult
 from .ttftparts import request_parts
 from .workload import ComputeModel, Request
 
+INF = float("inf")
+
 
 @dataclass
 class SchedulerConfig:
@@ -85,11 +87,13 @@ class SchedulerConfig:
     progress_interval_s: float = 15.0
     max_run_s: float | None = None   # a stuck run raises instead of spinning for ever
     loader: object = None            # a DeviceLoader attached to the engine: pages go to the GPU
+    direct: object = None            # direct.DirectLoads: SGLang's direct L3 path (mp-direct);
+                                     # the engine then only writes back
 
 
 class _Req:
     __slots__ = ("r", "keys", "wb_keys", "admit_s", "op", "slots", "hit_pages", "done_tokens",
-                 "token_s", "seen_ns", "dev", "h2d", "marks", "prefill_s")
+                 "token_s", "seen_ns", "dev", "h2d", "marks", "prefill_s", "load", "wait_s")
 
     def __init__(self, r: Request, page_size: int, salt: str, admit_s: float):
         self.r = r
@@ -108,6 +112,8 @@ class _Req:
         # the charged time of the prefill batches that carried it.
         self.marks = {"admit": admit_s}
         self.prefill_s = 0.0
+        self.load = None             # mp-direct: its DirectLoads load, from its first chunk
+        self.wait_s = 0.0            # mp-direct: its batches' waits for layers still loading
 
 
 class Scheduler(Batches):
@@ -123,6 +129,7 @@ class Scheduler(Batches):
         self.dev_slots = HostSlots(self.loader.num_device_pages) if self.loader else None
         self.h2d_seen: dict[int, int] = {}   # op id -> when its pages were seen on the device
         self.h2d_pending: list[_Req] = []    # prefetch settled, pages still on the way
+        self.direct = config.direct
 
     # --- the loop -------------------------------------------------------------
     def run(self) -> RunResult:
@@ -164,6 +171,10 @@ class Scheduler(Batches):
             # short of slots holds the line
             while lookup:
                 q = lookup[0]
+                if self.direct is not None:
+                    # No host tier: the hit is loaded when its first chunk runs.
+                    self._ready_direct(lookup.popleft(), now_s)
+                    continue
                 hit = eng.exists(q.keys + q.wb_keys)
                 slots = self.slots.alloc(hit) if hit else []
                 if slots is None:
@@ -186,6 +197,8 @@ class Scheduler(Batches):
                     self.ready.append(q)
             # 3. check_hicache_events, then check_prefetch_progress per waiting request
             (self.loader or eng).poll()   # a loader polls the engine, then steps
+            if self.direct is not None:
+                self.direct.poll(now_s)
             if self.prefetching:
                 self._check_prefetches(now_ns)
             if self.h2d_pending:
@@ -196,6 +209,10 @@ class Scheduler(Batches):
             if self.backups:
                 self._retire_backups()
             # 5. run_batch / process_batch_result; on_idle when nothing runs
+            if batch is not None and batch.loads and batch.end_s == INF:
+                end = self.direct.end_s(batch.start_s, batch.charged_s, batch.loads)
+                if end is not None:   # every group of its loads seen on the device
+                    batch.end_s = end
             if batch is not None and now_s >= batch.end_s:
                 self._finish(batch, now_s)
                 gpu.finished(batch, now_s)
@@ -239,6 +256,8 @@ class Scheduler(Batches):
             self.slots.release(slots)
             self.done_prefetch.append((rid, op, seen))
         metrics = eng.metrics()
+        if self.direct is not None:  # the reads are the reader's; the write-backs eng's
+            metrics = {**self.direct.reader.metrics(), "writer": metrics}
         finished = sorted(self.finished, key=lambda q: q.r.rid)
         return RunResult(
             name=self.name, backend=getattr(eng, "backend", "?"), policy=cfg.policy,
@@ -255,6 +274,32 @@ class Scheduler(Batches):
             slots_low_water=self.slots.low_water, engine_metrics=metrics, gpu=gpu.to_dict())
 
     # --- steps ----------------------------------------------------------------
+    def _ready_direct(self, q: _Req, now_s: float) -> None:
+        """mp-direct's lookup: the hit counts at once (SGLang's tree takes the
+        linker's lookup), and the request is ready; its load starts with its
+        first chunk (`Batches._next_batch`)."""
+        hit = self.direct.reader.exists(q.keys + q.wb_keys)
+        q.hit_pages = hit
+        q.done_tokens = hit * self.cfg.page_size
+        q.slots = []
+        q.marks["submit"] = now_s
+        self.ready.append(q)
+
+    def _direct_landed(self, load, now_ns: int) -> None:
+        """A finished batch's load: every group read and on the device. Its first
+        page is checked, group by group, in the host slots it landed in."""
+        if self.cfg.verify and self.pool is not None:
+            gen, d = self.cfg.page_bytes_gen, self.direct
+            if not load.failed and all(
+                    gen.matches_part(d.reader.host_pool, d.slots_of(load, g)[0], load.keys[0],
+                                     g, d.groups) for g in range(d.groups)):
+                self.verified += 1
+            else:
+                self.verify_failures.append(load.rid)
+        self.direct.release_slots(load)
+        for op in load.ops:
+            self.done_prefetch.append((load.rid, op, now_ns))
+
     def _check_prefetches(self, now_ns: int) -> None:
         timeout = self.cfg.policy == "timeout"
         # Most iterations settle nothing (pages are still on their way): one
@@ -344,4 +389,4 @@ class Scheduler(Batches):
                              itl_s=[b - a for a, b in zip(ts, ts[1:])],
                              latency_s=ts[-1] - q.admit_s,
                              ttft_parts=request_parts({**q.marks, "first_token": ts[0]},
-                                                      q.prefill_s))
+                                                      q.prefill_s, q.wait_s))

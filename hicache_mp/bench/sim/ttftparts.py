@@ -24,9 +24,12 @@ with a fresh clock can sit a few µs after the iteration's clock that starts
 a batch, and a cut-short prefetch's last page can land after its request
 ran. So the parts are never negative and always sum to the TTFT
 (first_token - admit). `prefill` is the first token's own chunks (the GPU's
-charged time for the batches that carried the request); `between_chunks` is
-the rest of that span: other requests' batches between its chunks and the
-loop's lateness at batch ends.
+charged time for the batches that carried the request); `layer_wait` the
+time those batches' forwards waited for layers still loading (the mp-direct
+run, SGLang's direct L3 path: its requests pass no read milestone before
+their first chunk, whose forward overlaps the read; what the read did not
+hide is this part); `between_chunks` is the rest of that span: other
+requests' batches between its chunks and the loop's lateness at batch ends.
 """
 from __future__ import annotations
 
@@ -42,15 +45,17 @@ PARTS = (
     ("h2d", "-> every page seen on the device (H2D left after the read)"),
     ("gpu_queue", "-> its first prefill chunk started (other batches ahead)"),
     ("prefill", "its own prefill chunks on the GPU"),
+    ("layer_wait", "its chunks' forwards waiting for layers still loading (mp-direct)"),
     ("between_chunks", "other batches between its chunks, loop lateness"),
 )
 PART_NAMES = tuple(p for p, _ in PARTS)
 
 
-def request_parts(marks: dict, own_prefill_s: float) -> dict:
+def request_parts(marks: dict, own_prefill_s: float, own_wait_s: float = 0.0) -> dict:
     """A request's parts (seconds) from its milestones (`marks`, seconds from the
-    run's start; a milestone it never passed, None, counts as the one before it)
-    and the charged time of the prefill batches that carried it."""
+    run's start; a milestone it never passed, None, counts as the one before it),
+    the charged time of the prefill batches that carried it and their waits
+    for layers."""
     end = marks["first_token"]
     held, prev = [], marks["admit"]
     for name in MILESTONES:
@@ -60,7 +65,8 @@ def request_parts(marks: dict, own_prefill_s: float) -> dict:
     steps = [b - a for a, b in zip(held, held[1:])]
     last = steps.pop()                     # first_batch -> first_token
     prefill = min(max(own_prefill_s, 0.0), last)
-    return dict(zip(PART_NAMES, steps + [prefill, last - prefill]))
+    wait = min(max(own_wait_s, 0.0), last - prefill)
+    return dict(zip(PART_NAMES, steps + [prefill, wait, last - prefill - wait]))
 
 
 def mean_parts(per_request: list[dict]) -> dict:
@@ -73,7 +79,7 @@ def format_parts(runs: dict) -> str:
     """One row per run of mean parts in ms, their sum and the mean TTFT beside it;
     `runs` maps a label to its figures' `ttft_parts`."""
     short = {"first_page": "1st page", "loop_saw": "loop saw", "gpu_queue": "GPU queue",
-             "between_chunks": "between"}
+             "layer_wait": "lyr wait", "between_chunks": "between"}
     heads = [short.get(p, p) for p in PART_NAMES]
     w = max(12, max(len(k) for k in runs) + 1) if runs else 12
     lines = ["TTFT breakdown (mean over requests, ms; the parts sum to the mean TTFT):",

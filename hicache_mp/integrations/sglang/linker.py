@@ -57,7 +57,7 @@ except ImportError as _exc:
 
 from workers.naming import KeyRefused
 
-from ...device.layered import LayerCopies
+from ...device.layered import LayerCopies, SlotRuns, auto_groups
 from ...engine import PrefetchEngine
 from ..common import check_known, engine_config, store_dirs
 from ..common.options import settable_keys
@@ -86,16 +86,6 @@ class LinkerError(RuntimeError):
     """Why a load batch did not land: the pages' statuses."""
 
 
-def auto_groups(layers: int, page_bytes: int) -> int:
-    """The most layer groups (at most 8) that divide `layers` and keep a group's
-    reads at 1 MiB or more: smaller reads cost more in opens than they gain."""
-    best = 1
-    for g in range(1, min(8, layers) + 1):
-        if layers % g == 0 and page_bytes // g >= (1 << 20):
-            best = g
-    return best
-
-
 class PulledCounter(LayerWiseLoadCounter):
     """SGLang's counter, whose waits drive the loads: `wait_until(l)` asks the
     linker to land what layer l reads (sleeping GIL-released on the engine's
@@ -116,7 +106,7 @@ class _Side:
 
     def __init__(self, pool: "linker_pools.SidePool", engine: PrefetchEngine, pages: int):
         self.pool, self.engine = pool, engine
-        self.free = _Runs(pages)
+        self.free = SlotRuns(pages)
 
 
 class _Request:
@@ -223,8 +213,8 @@ class HiCacheMPLinker(UnifiedCacheLinker):
         self.layer_done_counter = PulledCounter(dp.counter_layers, self)
         if "mamba" in self.side:  # Mamba's state waits on the request pool (as Mooncake's)
             params.req_to_token_pool.register_layer_transfer_counter(self.layer_done_counter)
-        self._load_free = _Runs(groups * self.load_pages)
-        self._offload_free = _Runs(offload_pages)
+        self._load_free = SlotRuns(groups * self.load_pages)
+        self._offload_free = SlotRuns(offload_pages)
         self._queued: dict = {}           # rid -> _Request
         self._batches: dict = {}          # counter index -> _Batch
         self._offloads = deque()          # [parts, ok]: part = [engine, runs, event, keys, first, n, op]
@@ -577,35 +567,6 @@ class _ModelName:
 
     def __init__(self, server_args):
         self.model_name = getattr(server_args, "model_path", None)
-
-
-class _Runs:
-    """Free slot runs of a pool: first fit, neighbours merged when given back."""
-
-    def __init__(self, size: int):
-        self.free = [(0, size)]
-
-    def take(self, n: int) -> int | None:
-        for i, (start, length) in enumerate(self.free):
-            if length >= n:
-                self.free[i] = (start + n, length - n)
-                if length == n:
-                    del self.free[i]
-                return start
-        return None
-
-    def give(self, start: int, n: int) -> None:
-        runs = sorted(self.free + [(start, n)])
-        merged = [runs[0]]
-        for s, length in runs[1:]:
-            ps, pl = merged[-1]
-            if ps + pl == s:
-                merged[-1] = (ps, pl + length)
-            else:
-                merged.append((s, length))
-        self.free = merged
-
-
 
 
 def _tp(params) -> tuple[int, int]:
