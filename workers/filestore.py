@@ -47,10 +47,11 @@ again, the next write makes its directories anew. A read remembers the leaf
 directories it found (`_LEAVES` of them, by fan-out prefix, the oldest
 dropped first) and opens its page with one openat there: the directory walk
 was three opens and two closes, a third of what a layer group's read
-(decision 101) costs beside its copy. A read that misses through a
-remembered leaf walks again before it says MISS, as the directory may have
-been removed and made again since; a store moved elsewhere whole is read
-where it went until then, and its pages are the same pages.
+(decision 101) costs beside its copy; decision 113. A read whose open
+fails in a remembered leaf walks again, and that walk's answer stands: the
+directory may have been removed and made again, or its network mount
+remounted (old descriptors then answer ENOTCONN). A store moved elsewhere
+whole is read where it went until then, and its pages are the same pages.
 
 The LRU stamp: after a good read the file's times are set to now
 (futimens on the open descriptor), at most once per TOUCH_INTERVAL_S per
@@ -146,10 +147,12 @@ class FileStore(PageStore):
             return self._read_walking(h, digest, iovecs, bufs, ranges)
         known = self.leaves.get(h[:4])
         if known is not None:
-            got = self._read_at(known, h, digest, iovecs, bufs, ranges)
+            got = self._read_at(known, h, digest, iovecs, bufs, ranges, remembered=True)
             if got is not None:
                 return got
-            self._forget_leaf(h[:4])  # no such file there: maybe a directory since removed
+            # No such file there, or the leaf itself fails (a directory since
+            # removed, a network mount since remounted): walk again.
+            self._forget_leaf(h[:4])
         try:
             leaf = self._leaf(h, create=False)
         except FileNotFoundError:
@@ -183,15 +186,19 @@ class FileStore(PageStore):
         while self.leaves:
             self._forget_leaf(next(iter(self.leaves)))
 
-    def _read_at(self, leaf: int, h: str, digest: bytes, iovecs, bufs, ranges):
+    def _read_at(self, leaf: int, h: str, digest: bytes, iovecs, bufs, ranges,
+                 remembered: bool = False):
         """The page read in the open leaf directory: (status, errno), or None
-        where the leaf holds no file of that name."""
+        where the leaf holds no file of that name (or, `remembered`, where
+        opening in it fails at all: only a fresh walk says why)."""
         name = h + naming.PAGE_SUFFIX
         try:
             fd = os.open(name, _READ_FLAGS | self.open_flags, dir_fd=leaf)
         except FileNotFoundError:
             return None
         except OSError as exc:
+            if remembered:
+                return None
             return (status.MISS if exc.errno == errno.ESTALE else status.UNREADABLE), exc.errno or 0
         try:
             try:

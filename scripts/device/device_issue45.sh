@@ -15,7 +15,9 @@
 # PAGES_BIG (1024), PAGES_LIST (both), POLL_ARGS, LC_ARGS ("--num-requests 12"), LC_PAIRS (5),
 # BUDGET_S (440: no new step starts after it), HARD_S (470: every step ends
 # by then, its timeout cut to fit), QUICK (1: --quick everything),
-# STEPS ("poll prefetch lc"; add "pin" for a --pin-workers prefetch run: which to run).
+# STEPS ("poll prefetch lc"; add "pin" for a --pin-workers prefetch run: which to run),
+# LC_BACKENDS ("mp": the main job's runs beside none in each pair; mp-direct:G is
+# SGLang's direct L3 path with G layer groups, e.g. "mp mp-direct:32").
 set -u
 final=${1:?usage: scripts/device/device_issue45.sh OUTDIR}
 mkdir -p "$final"
@@ -69,10 +71,12 @@ fi
 [ "${KEEP_STORES:-0}" = 1 ] || rm -rf /tmp/hicache_mp_bp
 want lc || LC_PAIRS=0
 for i in $(seq 1 "$LC_PAIRS"); do
-  for b in none mp; do
-    step "lc_${b}_$i" 120 python3 scripts/bench_long_context.py $q $LC_ARGS \
-      --hicache-storage-backend "$b" --storage-dir /tmp/hicache_mp_lc --json "$out/lc_${b}_$i.json"
-    grep -A2 "^TTFT breakdown" "$out/lc_${b}_$i.log" | tail -n 1
+  for spec in none ${LC_BACKENDS:-mp}; do
+    b=${spec%%:*}; g=""; name=$b
+    [ "$spec" != "$b" ] && g="--layer-groups ${spec#*:}" && name="$b${spec#*:}"
+    step "lc_${name}_$i" 120 python3 scripts/bench_long_context.py $q $LC_ARGS $g \
+      --hicache-storage-backend "$b" --storage-dir /tmp/hicache_mp_lc --json "$out/lc_${name}_$i.json"
+    grep -A2 "^TTFT breakdown" "$out/lc_${name}_$i.log" | tail -n 1
   done
 done
 python3 - "$out" "$final" <<'EOF'
@@ -86,16 +90,19 @@ for path in sorted(glob.glob(os.path.join(out, "*.json"))):
         every[os.path.basename(path)[:-5]] = json.load(f)
 with open(os.path.join(out, "machine.txt")) as f:
     every["machine"] = f.read()
-pairs = []
-for i in range(1, 100):
-    a, b = every.get(f"lc_none_{i}"), every.get(f"lc_mp_{i}")
-    if not (a and b):
-        continue
-    tn, tm = a["runs"]["none"]["summary"]["ttft_mean_s"], b["runs"]["mp"]["summary"]["ttft_mean_s"]
-    pairs.append({"none": tn, "mp": tm, "ratio": tm / tn,
-                  "parts_none": a["runs"]["none"]["ttft_parts"]["mean_s"],
-                  "parts_mp": b["runs"]["mp"]["ttft_parts"]["mean_s"],
-                  "verify_failures": b["runs"]["mp"]["verify"]["failures"]})
+pairs = []   # per round i and backend: (its run, none's run of the same round)
+names = sorted({k[3:].rsplit("_", 1)[0] for k in every if k.startswith("lc_")} - {"none"})
+for name in names:
+    for i in range(1, 100):
+        a, b = every.get(f"lc_none_{i}"), every.get(f"lc_{name}_{i}")
+        if not (a and b):
+            continue
+        label = next(iter(b["runs"]))
+        tn, tm = a["runs"]["none"]["summary"]["ttft_mean_s"], b["runs"][label]["summary"]["ttft_mean_s"]
+        pairs.append({"backend": name, "round": i, "none": tn, "mp": tm, "ratio": tm / tn,
+                      "parts_none": a["runs"]["none"]["ttft_parts"]["mean_s"],
+                      "parts_mp": b["runs"][label]["ttft_parts"]["mean_s"],
+                      "verify_failures": b["runs"][label]["verify"]["failures"]})
 every["lc_pairs"] = pairs
 with open(os.path.join(sys.argv[2], "issue45.json"), "w") as f:
     json.dump(every, f, indent=1, default=str)
@@ -112,12 +119,16 @@ for key in sorted(k for k in every if k.startswith("prefetch")):
           f"{head['mp_busy']['all_gbps']}), loop beside mp / floor {r['loop_beside_mp_over_floor']:.3f} "
           f"(rounds {[round(x, 3) for x in fl['loop_over_floor_all']]}), floor/idle "
           f"{r['loop_floor_over_idle']:.3f}, poll median {r['poll_median_us']:.2f} us")
-if pairs:
-    rs = [p["ratio"] for p in pairs]
-    print(f"main job mp/none mean TTFT: median {statistics.median(rs):.3f} over {len(rs)} pairs "
-          f"({', '.join(f'{x:.3f}' for x in rs)}); none {[round(p['none'], 3) for p in pairs]}, "
-          f"mp {[round(p['mp'], 3) for p in pairs]}; wrong pages "
-          f"{sum(len(p['verify_failures']) for p in pairs)}")
+for name in names:
+    ps = [p for p in pairs if p["backend"] == name]
+    if not ps:
+        continue
+    rs = [p["ratio"] for p in ps]
+    mean = lambda key: {k: round(statistics.mean(p[key][k] for p in ps) * 1e3, 1) for k in ps[0][key]}
+    print(f"main job {name}/none mean TTFT: median {statistics.median(rs):.3f} over {len(rs)} pairs "
+          f"({', '.join(f'{x:.3f}' for x in rs)}); none {[round(p['none'], 3) for p in ps]}, "
+          f"{name} {[round(p['mp'], 3) for p in ps]}; wrong pages "
+          f"{sum(len(p['verify_failures']) for p in ps)}; parts ms {mean('parts_mp')}")
     for side in ("none", "mp"):
         names = list(pairs[0]["parts_" + side])
         med = {k: statistics.median(p["parts_" + side][k] for p in pairs) * 1e3 for k in names}
