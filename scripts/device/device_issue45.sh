@@ -124,13 +124,12 @@ for name in names:
     if not ps:
         continue
     rs = [p["ratio"] for p in ps]
-    mean = lambda key: {k: round(statistics.mean(p[key][k] for p in ps) * 1e3, 1) for k in ps[0][key]}
     print(f"main job {name}/none mean TTFT: median {statistics.median(rs):.3f} over {len(rs)} pairs "
           f"({', '.join(f'{x:.3f}' for x in rs)}); none {[round(p['none'], 3) for p in ps]}, "
           f"{name} {[round(p['mp'], 3) for p in ps]}; wrong pages "
-          f"{sum(len(p['verify_failures']) for p in ps)}; parts ms {mean('parts_mp')}")
-    for side in ("none", "mp"):
-        names = list(pairs[0]["parts_" + side])
-        med = {k: statistics.median(p["parts_" + side][k] for p in pairs) * 1e3 for k in names}
-        print(f"  {side} parts (median of pairs, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in med.items()))
+          f"{sum(len(p['verify_failures']) for p in ps)}")
+    for side, label in (("none", "none"), ("mp", name)):
+        keys = list(ps[0]["parts_" + side])
+        med = {k: statistics.median(p["parts_" + side][k] for p in ps) * 1e3 for k in keys}
+        print(f"  {label} parts (median of pairs, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in med.items()))
 EOF
