@@ -39,6 +39,11 @@ LAZY = {
         "CLI, settings for the flags reference) load without it",
     ("hicache_mp/bench/sim/bench.py", "hicache_mp.device"):
         "DeviceLoader imports torch: loaded only for a run with a device load",
+    ("hicache_mp/bench/sim/bench.py", "hicache_mp.bench.sim.direct"):
+        "the mp-direct run's loads import torch: loaded only for that run, so `hicache-mp "
+        "--help` and the other runs start without torch (0.3 s, not 2)",
+    ("hicache_mp/bench/sim/bench.py", "hicache_mp.device.layered"):
+        "the layer-group rule's module imports torch: loaded only when mp-direct is asked for",
     ("hicache_mp/bench/vllm/tier.py", "hicache_mp.integrations.vllm"):
         "the tier imports vLLM's fs tier, which must come after the bench has made "
         "vllm.fs_io_C importable (load_fs_helper)",

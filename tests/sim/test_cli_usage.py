@@ -29,6 +29,17 @@ def test_python_m_hicache_mp_is_the_cli(tmp_path):
     assert none.returncode == 2 and "required: command" in none.stderr
 
 
+def test_the_cli_loads_no_torch_until_a_run_moves_device_bytes():
+    """`hicache-mp --help` and a bench's argument checks start in a fraction of a
+    second: torch (~1.7 s to import) comes with the runs that need it."""
+    out = subprocess.run([sys.executable, "-c", "import sys, hicache_mp.cli; "
+                          "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"],
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT),
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["['numpy']"]
+
+
 @pytest.mark.parametrize("content, why", [
     (None, "No such file or directory"), ("dir", "Is a directory"),
     ("not json", "not JSON"), ("[1, 2]", "not a hicache_mp.bench/1 report"),

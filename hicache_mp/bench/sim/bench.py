@@ -21,11 +21,8 @@ from dataclasses import asdict, dataclass, field
 
 from hicache_mp import EngineConfig, PageGeometry, PrefetchEngine, make_engine
 from workers import naming
-
-from ...device.layered import auto_groups
 from workers.stores import open_store
 
-from .direct import DirectLoads, device_planes
 from .instant import InstantStore
 from .pagecache import resident_share
 from .pagebytes import PageBytes
@@ -341,6 +338,9 @@ class Bench:
         pages (the write-backs; an auxiliary, made first) and a reader of layer
         groups (the loads; auto workers get what the writer leaves), with the
         device KV planes its copies fill."""
+        # torch with them, as the DeviceLoader in _loader: `hicache-mp --help`
+        # and the runs that move no device bytes start without it (0.4 s, not 2).
+        from .direct import DirectLoads, device_planes
         cfg, g, groups = self.cfg, self.geometry, self.direct_groups
         common = dict(storage_dir=store, prefetch_policy=cfg.policy,
                       prefetch_timeout_s=cfg.timeout_s, **cfg.engine_options)
@@ -367,6 +367,7 @@ class Bench:
 
     def _check_direct(self) -> int:
         """mp-direct's layer groups, or a ValueError before any store or worker."""
+        from ...device.layered import auto_groups  # torch: see _direct_engines
         g = self.geometry
         if g.layout != "page_first":
             raise ValueError(f"{DIRECT} reads layer groups into page_first slots, as SGLang's "
