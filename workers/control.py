@@ -167,6 +167,11 @@ class Control:
         this on every call, and all MAX_WORKERS words cost it 6 us of 8."""
         return gilkeep.total(self.workers[:self.num_workers, PAGES])
 
+    def pushed_view(self) -> memoryview:
+        """The PUSHED words themselves, for a reader that compares bytes() of them
+        on every poll without a call here; valid while this Control is open."""
+        return self._pushed_bytes
+
     def pushed_now(self) -> bytes:
         """The engine's workers' PUSHED words as bytes: equal to an earlier
         reading only if no worker has pushed a completion since (Pushed, above)."""

@@ -52,6 +52,7 @@ class Draining:
         # drains from half a ring (every ring has the same capacity)
         self.half_ring = pool.workers[0].completion_ring.capacity // 2
         self._pushed = b""   # the PUSHED words at the last drain of the rings: none yet
+        self._pushed_view = control.pushed_view()  # read by quiet() on every poll
 
     def rings(self, batch_min: int) -> int:
         """Every worker's completion ring with something in it, then the evict
@@ -99,7 +100,7 @@ class Draining:
         lock): no completion pushed since the last pass over the rings, nothing
         on the evict ring, no store scan being taken into the index."""
         evictor = self.evictor
-        return self.control.pushed_now() == self._pushed and not self.index.scanning and \
+        return bytes(self._pushed_view) == self._pushed and not self.index.scanning and \
             (evictor is None or not evictor.ring.pending())
 
     def due(self) -> bool:

@@ -199,7 +199,9 @@ class WorkerIO:
                                   self.striping.probe)
 
     def quiet(self) -> bool:
-        return not self.pool.closed and self.draining.quiet() and not self.supervisor.due()
+        # the busy loop's every poll (issue 45): plain reads and one call
+        return not self.pool.closed and time.monotonic() < self.supervisor.due_at and \
+            self.draining.quiet()
 
     def drain(self, lazy: bool = False) -> int:
         if self.pool.closed:

@@ -71,6 +71,9 @@ class Supervisor:
     stalled_pages: int = field(default=0, init=False)
     _evictor_failed: Any = field(default=None, init=False)  # its Child that did not start
     _last_health: float = field(default_factory=time.monotonic, init=False)
+    # When the next health check is due (monotonic): read by the engine's quiet
+    # poll as one compare, where due() is a call and a subtraction (issue 45).
+    due_at: float = field(default_factory=lambda: time.monotonic() + HEALTH_CHECK_S, init=False)
     # the watchdog's gap rule
     _watched_at: float = field(default_factory=time.monotonic, init=False)
     _watch_from_ns: int = field(default=0, init=False)
@@ -84,6 +87,7 @@ class Supervisor:
         whether it ran (the drain's other periodic work rides on it)."""
         if time.monotonic() - self._last_health > HEALTH_CHECK_S:
             self._last_health = time.monotonic()
+            self.due_at = self._last_health + HEALTH_CHECK_S
             self.health()
             return True
         return False
