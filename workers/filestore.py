@@ -143,29 +143,15 @@ class FileStore(PageStore):
 
     def read(self, digest: bytes, iovecs, bufs, ranges=None) -> tuple[int, int]:
         h = digest.hex()
-        if self.leaves is None:
-            return self._read_walking(h, digest, iovecs, bufs, ranges)
-        known = self.leaves.get(h[:4])
-        if known is not None:
-            got = self._read_at(known, h, digest, iovecs, bufs, ranges, remembered=True)
-            if got is not None:
-                return got
-            # No such file there, or the leaf itself fails (a directory since
-            # removed, a network mount since remounted): walk again.
-            self._forget_leaf(h[:4])
-        try:
-            leaf = self._leaf(h, create=False)
-        except FileNotFoundError:
-            return status.MISS, 0
-        except OSError as exc:
-            return status.UNREADABLE, exc.errno or 0
-        got = self._read_at(leaf, h, digest, iovecs, bufs, ranges)
-        if len(self.leaves) >= _LEAVES:
-            self._forget_leaf(next(iter(self.leaves)))
-        self.leaves[h[:4]] = leaf
-        return got if got is not None else (status.MISS, 0)
-
-    def _read_walking(self, h: str, digest: bytes, iovecs, bufs, ranges) -> tuple[int, int]:
+        if self.leaves is not None:
+            known = self.leaves.get(h[:4])
+            if known is not None:
+                got = self._read_at(known, h, digest, iovecs, bufs, ranges, remembered=True)
+                if got is not None:
+                    return got
+                # No such file there, or the leaf itself fails (a directory since
+                # removed, a network mount since remounted): walk again.
+                self._forget_leaf(h[:4])
         try:
             leaf = self._leaf(h, create=False)
         except FileNotFoundError:
@@ -175,7 +161,12 @@ class FileStore(PageStore):
         try:
             got = self._read_at(leaf, h, digest, iovecs, bufs, ranges)
         finally:
-            os.close(leaf)
+            if self.leaves is None:
+                os.close(leaf)
+            else:  # kept for the next read in this leaf
+                if len(self.leaves) >= _LEAVES:
+                    self._forget_leaf(next(iter(self.leaves)))
+                self.leaves[h[:4]] = leaf
         return got if got is not None else (status.MISS, 0)
 
     def _forget_leaf(self, prefix: str) -> None:
