@@ -168,14 +168,11 @@ class Control:
         return gilkeep.total(self.workers[:self.num_workers, PAGES])
 
     def pushed_view(self) -> memoryview:
-        """The PUSHED words themselves, for a reader that compares bytes() of them
-        on every poll without a call here; valid while this Control is open."""
+        """The engine's workers' PUSHED words, for a reader that takes bytes() of
+        them on every poll without a call here: equal to an earlier reading only
+        if no worker has pushed a completion since (Pushed, above). Valid while
+        this Control is open."""
         return self._pushed_bytes
-
-    def pushed_now(self) -> bytes:
-        """The engine's workers' PUSHED words as bytes: equal to an earlier
-        reading only if no worker has pushed a completion since (Pushed, above)."""
-        return bytes(self._pushed_bytes)
 
     def cancelled(self, op_id: int) -> bool:
         return self.cancel_table[op_id % CANCEL_SLOTS] == op_id

@@ -52,7 +52,7 @@ class Draining:
         # drains from half a ring (every ring has the same capacity)
         self.half_ring = pool.workers[0].completion_ring.capacity // 2
         self._pushed = b""   # the PUSHED words at the last drain of the rings: none yet
-        self._pushed_view = control.pushed_view()  # read by quiet() on every poll
+        self._pushed_view = control.pushed_view()  # read on every poll
 
     def rings(self, batch_min: int) -> int:
         """Every worker's completion ring with something in it, then the evict
@@ -65,7 +65,7 @@ class Draining:
         pages. One worker's records stay in its order; one worker's after
         another's is a valid landed order, as they ran concurrently."""
         parts = []
-        pushed = self.control.pushed_now()
+        pushed = bytes(self._pushed_view)
         if pushed != self._pushed:
             # Most polls find nothing: one read of the PUSHED words tells them
             # (workers.control: Pushed), read before the rings are popped.

@@ -70,9 +70,8 @@ class Supervisor:
     stuck_workers: int = field(default=0, init=False)
     stalled_pages: int = field(default=0, init=False)
     _evictor_failed: Any = field(default=None, init=False)  # its Child that did not start
-    _last_health: float = field(default_factory=time.monotonic, init=False)
-    # When the next health check is due (monotonic): read by the engine's quiet
-    # poll as one compare, where due() is a call and a subtraction (issue 45).
+    # When the next health check is due (monotonic): the engine's quiet poll
+    # reads it as one compare (issue 45).
     due_at: float = field(default_factory=lambda: time.monotonic() + HEALTH_CHECK_S, init=False)
     # the watchdog's gap rule
     _watched_at: float = field(default_factory=time.monotonic, init=False)
@@ -80,14 +79,14 @@ class Supervisor:
 
     def due(self) -> bool:
         """Whether the next maybe_check() would run the health check."""
-        return time.monotonic() - self._last_health > HEALTH_CHECK_S
+        return time.monotonic() > self.due_at
 
     def maybe_check(self) -> bool:
         """The health check, when HEALTH_CHECK_S has passed since the last:
         whether it ran (the drain's other periodic work rides on it)."""
-        if time.monotonic() - self._last_health > HEALTH_CHECK_S:
-            self._last_health = time.monotonic()
-            self.due_at = self._last_health + HEALTH_CHECK_S
+        now = time.monotonic()
+        if now > self.due_at:
+            self.due_at = now + HEALTH_CHECK_S
             self.health()
             return True
         return False

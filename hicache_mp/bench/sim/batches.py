@@ -14,6 +14,8 @@ import time
 
 from dataclasses import dataclass, field
 
+INF = float("inf")   # the end of a batch whose layers are still loading (mp-direct)
+
 
 @dataclass
 class Batch:
@@ -72,7 +74,7 @@ class Batches:
                 tokens = sum(t for _, t in items)
                 charged = cfg.compute.prefill_s(tokens)
                 # With loads its end waits for their layers (DirectLoads.end_s).
-                end = float("inf") if loads else now_s + charged
+                end = INF if loads else now_s + charged
                 return Batch("prefill", now_s, end, items, charged_s=charged, loads=loads)
             # Every ready request's KV is still on the way to the device: none
             # can be scheduled (SGLang's prefill skips them), so decode goes on.

@@ -40,6 +40,7 @@ class Load:
         self.events = [None] * groups           # group g's copy, once queued
         self.on_device_s = [None] * groups      # when the loop saw group g on the device
         self.failed = False                     # a group's read did not land whole
+        self.pending = 0                        # groups before it are all on the device
 
     @property
     def n(self) -> int:
@@ -100,7 +101,8 @@ class DirectLoads:
         host = self.reader.host_pool.tensor
         for load in self.loading:
             n = load.n
-            for g in range(self.groups):
+            # groups land in about their order: look from the first not there yet
+            for g in range(load.pending, self.groups):
                 if load.on_device_s[g] is not None:
                     continue
                 op = load.ops[g]
@@ -117,7 +119,9 @@ class DirectLoads:
                         host, load.first + g * n, n, g * self.group_layers, load.tokens)
                 if load.events[g] is True or load.events[g].query():
                     load.on_device_s[g] = now_s
-            if any(t is None for t in load.on_device_s):
+            while load.pending < self.groups and load.on_device_s[load.pending] is not None:
+                load.pending += 1
+            if load.pending < self.groups:
                 still.append(load)
         self.loading = still
 

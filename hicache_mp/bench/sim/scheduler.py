@@ -55,15 +55,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .batches import Batch, Batches, fifo_order
+from .batches import INF, Batch, Batches, fifo_order
 from .gputime import GpuTime
 from .records import OpRecord, RunResult, op_record  # noqa: F401 (OpRecord, RunResult: API)
 from .slots import HostSlots
 from .summary import RequestResult
 from .ttftparts import request_parts
 from .workload import ComputeModel, Request
-
-INF = float("inf")
 
 
 @dataclass
