@@ -1,7 +1,7 @@
 """Soak: random prefetch, backup and cancel, with random worker kills, stuck
 workers (SIGSTOP: the watchdog must fail their pages and replace them), store
-wipes (backups must work again after them) and random file damage, for a bounded time (60 s; 10 s when CI=true;
-HICACHE_SOAK_S overrides). Prints one summary line. With
+wipes (backups must work again after them) and random file damage, for a bounded time (6 s: the
+suite's share; HICACHE_SOAK_S=600 for a real soak). Prints one summary line. With
 HICACHE_SOAK_FILL_SHM=1 it first fills /dev/shm to the last byte (run that way
 by test_soak_with_dev_shm_full, in a private small /dev/shm).
 
@@ -48,7 +48,9 @@ GEO = dict(num_layers=4, num_kv_heads=4, head_dim=32, page_size=8)  # 16 KiB pag
 def _duration() -> float:
     if os.environ.get("HICACHE_SOAK_S"):
         return float(os.environ["HICACHE_SOAK_S"])
-    return 6.0 if os.environ.get("CI", "").lower() == "true" else 60.0
+    # One length for CI and a newcomer's run alike: the README's test command
+    # must finish in minutes on a 2-core box; a longer soak is asked for.
+    return 6.0
 
 
 class Soak:
