@@ -8,8 +8,9 @@ session on the same machine) are not ours and are ignored; anything whose
 owner is this process, one of its descendants, or dead, is ours.
 
 One session hook: the fresh-interpreter import check (test_imports.py), the
-SGLang plugin's fresh interpreters and the two-process SGLang harnesses
-(tests/early.py) start with the session, at the lowest CPU priority, beside
+SGLang plugin's fresh interpreters, the two-process SGLang harnesses, the
+storage bench's runs and the small-/dev/shm SGLang scenario (tests/early.py)
+start with the session, at the lowest CPU priority, beside
 the collection and the tests before theirs. A harness's marked processes
 are its own test's to check, not the guard's while they run.
 """
@@ -142,6 +143,8 @@ _IMPORT_CHECK = os.path.join(ROOT, "tests", "test_imports.py")
 _PLUGIN_TESTS = os.path.join(ROOT, "tests", "integrations", "test_sglang_plugin.py")
 _FASTPATH_TESTS = os.path.join(ROOT, "tests", "integrations", "test_sglang_fastpath.py")
 _STACK_TESTS = os.path.join(ROOT, "tests", "integrations", "test_sglang_stack.py")
+_BENCH_STORAGE_TESTS = os.path.join(ROOT, "tests", "storage", "test_bench_storage.py")
+_SHM_TESTS = os.path.join(ROOT, "tests", "test_containers_shm.py")
 
 
 def _collects(config, path: str) -> bool:
@@ -160,8 +163,9 @@ def pytest_sessionstart(session):
     at the lowest CPU priority (early.background), on what the collection (one
     core) and the tests leave idle: the fresh-interpreter import check
     (test_imports.py), the SGLang plugin's fresh interpreters
-    (integrations/plugin_children.py) and the two-process SGLang harnesses
-    (tests/early.py). Each is mostly SGLang's import; their tests read them."""
+    (integrations/plugin_children.py), the two-process SGLang harnesses, the
+    storage bench's runs and the small-/dev/shm SGLang scenario (tests/early.py). Each is mostly SGLang's import
+    or CPU work of its own; their tests read them."""
     if _collects(session.config, _IMPORT_CHECK):
         import test_imports
         test_imports.start_early()
@@ -172,6 +176,10 @@ def pytest_sessionstart(session):
         early.start("fastpath_ranks")
     if _collects(session.config, _STACK_TESTS):
         early.start("sglang_ranks")
+    if _collects(session.config, _BENCH_STORAGE_TESTS):
+        early.start("bench_storage")
+    if _collects(session.config, _SHM_TESTS):
+        early.start("sglang_small_shm")
 
 
 def _plugin_children():

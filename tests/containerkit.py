@@ -50,17 +50,31 @@ def require_namespaces() -> None:
         pytest.skip(f"unshare is not permitted here: {probe.stderr.decode()[-200:]}")
 
 
-def in_private_shm(size: str, scenario: str, args: dict, timeout_s: float = 120) -> dict:
-    """Run `scenario` in a mount namespace whose /dev/shm is a fresh tmpfs of `size`."""
+def private_shm_argv(size: str, scenario: str, args: dict) -> list:
+    """The command that runs `scenario` in a mount namespace whose /dev/shm is a
+    fresh tmpfs of `size` (run with `child_env()`; its stdout holds the RESULT)."""
     cmd = f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$0" "$1" "$2" "$3"'
-    proc = subprocess.run(["unshare", "-m", "sh", "-c", cmd, sys.executable, __file__, scenario,
-                           json.dumps(args)], capture_output=True, text=True, env=_env(),
-                          timeout=timeout_s)
-    got = _result(proc.stdout, proc.stderr, proc.returncode)
+    return ["unshare", "-m", "sh", "-c", cmd, sys.executable, __file__, scenario, json.dumps(args)]
+
+
+def child_env() -> dict:
+    return _env()
+
+
+def scenario_result(stdout: str, stderr: str, rc) -> dict:
+    """A scenario's RESULT; a skip it asked for is the test's skip."""
+    got = _result(stdout, stderr, rc)
     if "skip" in got:
         import pytest
         pytest.skip(got["skip"])
     return got
+
+
+def in_private_shm(size: str, scenario: str, args: dict, timeout_s: float = 120) -> dict:
+    """Run `scenario` in a mount namespace whose /dev/shm is a fresh tmpfs of `size`."""
+    proc = subprocess.run(private_shm_argv(size, scenario, args), capture_output=True, text=True,
+                          env=_env(), timeout=timeout_s)
+    return scenario_result(proc.stdout, proc.stderr, proc.returncode)
 
 
 # --- inside the namespace -----------------------------------------------------

@@ -48,8 +48,60 @@ def _sglang_ranks(d: str) -> list:
              *STACK_SMALL, "--runs", "1", "--json", os.path.join(d, "ranks.json")]]
 
 
+# test_bench_storage's runs, at its SMALL scale: one directory each, which holds
+# only the JSON once the bench has removed its scratch directory
+BENCH_STORAGE_SMALL = ["--quick", "--total-gib", str(1 / 64)]
+
+
+def _bench_storage(d: str) -> list:
+    """test_bench_storage's two runs of scripts/bench_storage.py: the quick one
+    (raw ceilings at 2 threads and processes, one mixed pair) and --mixed-only
+    (two pairs). Pure CPU and page-cache work in processes of their own: at
+    nice 19 they take ~10 s of the cores the session leaves idle."""
+    script = os.path.join(ROOT, "scripts", "bench_storage.py")
+    runs = {"quick": ["--raw-threads", "2", "--mixed-repeats", "1"],
+            "mixed": ["--mixed-only", "--mixed-repeats", "2"]}
+    out = []
+    for name, extra in runs.items():
+        os.makedirs(os.path.join(d, name))
+        out.append([sys.executable, script, *BENCH_STORAGE_SMALL, *extra,
+                    "--dir", os.path.join(d, name), "--json", os.path.join(d, name, "bs.json")])
+    return out
+
+
+def sglang_shm_cases(store: str) -> dict:
+    """test_containers_shm's SGLang attach in a 64 MiB /dev/shm: the staging path
+    with a pool too large, and zero-copy where another program left room for the
+    control block (and the store scan's ring beside it), not for 4 workers'
+    rings. Here, so its run at session start has them too."""
+    from shm.ring import ring_bytes
+    from workers.control import CONTROL_BYTES
+    from workers.scanner import SCAN_RING_CAPACITY
+    return {"store": store, "cases": [
+        ["default", {"staging_pages": 50000}, None],
+        ["shm", {"num_workers": 4}, CONTROL_BYTES + ring_bytes(SCAN_RING_CAPACITY) + 3 * 4096]]}
+
+
+def _sglang_small_shm(d: str) -> list:
+    """test_containers_shm's SGLang scenario (tests/containerkit.py): mostly
+    SGLang's import, in a private mount namespace. Where unshare is refused
+    it fails here, and its test skips first (containerkit.require_namespaces)."""
+    import containerkit
+    os.makedirs(os.path.join(d, "store"))
+    return [containerkit.private_shm_argv("64m", "sglang_small_shm",
+                                          sglang_shm_cases(os.path.join(d, "store")))]
+
+
+def _containerkit_env(d: str) -> dict:
+    import containerkit
+    env = containerkit.child_env()
+    return {k: env[k] for k in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
+
+
 # name -> (the commands for a directory, extra environment for a directory)
 HARNESSES = {
+    "sglang_small_shm": (_sglang_small_shm, _containerkit_env),
+    "bench_storage": (_bench_storage, lambda d: {}),
     "fastpath_ranks": (_fastpath_ranks, lambda d: {
         "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(HERE, "integrations"),
                                        os.environ.get("PYTHONPATH", "")])}),
@@ -74,9 +126,9 @@ class Run:
         for i, argv in enumerate(commands(self.dir)):
             err = open(os.path.join(self.dir, f"stderr.{i}"), "w+")
             self.errs.append(err)
-            self.procs.append(background(subprocess.Popen(
-                argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
-                start_new_session=True)))
+            with open(os.path.join(self.dir, f"stdout.{i}"), "w") as out:  # (path("stdout.<i>"))
+                self.procs.append(background(subprocess.Popen(
+                    argv, env=env, cwd=ROOT, stdout=out, stderr=err, start_new_session=True)))
 
     def wait(self) -> tuple[list, list]:
         """Exit codes and the last 3000 characters of each one's stderr."""

@@ -10,9 +10,7 @@ lock or registry entry. Run in a private 64 MiB tmpfs (tests/containerkit.py).
 import pytest
 
 import containerkit
-from shm.ring import ring_bytes
-from workers.control import CONTROL_BYTES
-from workers.scanner import SCAN_RING_CAPACITY
+import early  # noqa: E402  (tests/early.py)
 
 MIB = 2**20
 SIZE_FIXES = ("--shm-size", "sizeLimit", "medium: Memory")
@@ -43,18 +41,22 @@ def test_an_engine_too_large_for_64_mib_names_the_part_and_the_fixes(store):
         assert case["left"] == [], case  # nothing: no segment, lock, registry entry
 
 
-def test_sglangs_attach_names_sglangs_settings(store):
+def test_sglangs_attach_names_sglangs_settings():
     """Through SGLang's attach the fixes are SGLang's: its shm allocator or
     staging_pages for the staging pool, num_workers for the rings; never the
-    engine's host_pool_pages, which SGLang has no way to set."""
+    engine's host_pool_pages, which SGLang has no way to set. The scenario
+    (early.sglang_shm_cases) started with the session, in the background
+    (tests/early.py, "sglang_small_shm"): it is mostly SGLang's import."""
     pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
     containerkit.require_namespaces()
-    got = containerkit.in_private_shm("64m", "sglang_small_shm", {"store": store, "cases": [
-        ["default", {"staging_pages": 50000}, None],
-        # another program left room for the control block (and the store scan's
-        # ring beside it), not for 4 workers' rings
-        ["shm", {"num_workers": 4},
-         CONTROL_BYTES + ring_bytes(SCAN_RING_CAPACITY) + 3 * 4096]]}, timeout_s=180)
+    run = early.take("sglang_small_shm")
+    try:
+        rcs, errs = run.wait()
+        assert not run.left_behind(), "the scenario left processes or shared memory behind"
+        with open(run.path("stdout.0")) as f:
+            got = containerkit.scenario_result(f.read(), errs[0], rcs[0])
+    finally:
+        run.close()
     staged, zero_copy = got["cases"]
     _named(staged["error"], "host pool alone does not fit", '"allocator": "shm"',
            '"staging_pages"', "(50000 now)")

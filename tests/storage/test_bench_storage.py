@@ -1,26 +1,48 @@
-"""scripts/bench_storage.py runs end to end at --quick scale and writes its JSON."""
+"""scripts/bench_storage.py runs end to end at --quick scale and writes its JSON.
+
+Its two runs (the quick one and --mixed-only) start with the session, in the
+background at nice 19 (tests/early.py, "bench_storage"): each is CPU work of
+its own that the session's idle cores can carry. Their tests read them here,
+or start them now when the session did not."""
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+
+import early  # noqa: E402  (tests/early.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # --quick's data set is 64 MiB (256 pages); a quarter of it is still twice the
 # 32-page host pool at every sweep point, and each pass writes, syncs and
 # reads a quarter of the bytes (the full run: 22 s, now 10-13 s on 2 cores).
-SMALL = ["--quick", "--total-gib", str(1 / 64)]
+# Raw ceilings at 2 threads and processes only (--quick adds 4), one mixed
+# pair (the mixed-only run, two): the same paths, fewer passes.
 
 
-def test_bench_storage_quick(tmp_path):
-    out = tmp_path / "bs.json"
-    # Raw ceilings at 2 threads and processes only (--quick adds 4), one mixed
-    # pair (the mixed-only test below runs two): the same paths, fewer passes.
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_storage.py"),
-                           *SMALL, "--raw-threads", "2", "--mixed-repeats", "1",
-                           "--dir", str(tmp_path), "--json", str(out)],
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+@pytest.fixture(scope="module")
+def runs():
+    """Both runs, waited for once: {"quick"|"mixed": (the directory, its stdout)}."""
+    run = early.take("bench_storage")
+    try:
+        rcs, errs = run.wait()
+        assert rcs == [0, 0], errs
+        assert not run.left_behind(), "the bench left processes or shared memory behind"
+        out = {}
+        for i, name in enumerate(("quick", "mixed")):
+            d = run.path(name)
+            with open(run.path(f"stdout.{i}")) as f:
+                out[name] = (d, f.read())
+            with open(os.path.join(d, "bs.json")) as f:
+                out[name] += (json.load(f), sorted(os.listdir(d)))
+        yield out
+    finally:
+        run.close()
+
+
+def test_bench_storage_quick(runs):
+    _, stdout, report, left = runs["quick"]
     assert report["schema"] == "hicache_mp.bench_storage/1"
     assert "cache_drop" in report
     # "on" is skipped where the disk refuses O_DIRECT; "off" always runs.
@@ -46,12 +68,12 @@ def test_bench_storage_quick(tmp_path):
             (best_r["workers"], best_r["io_depth"])
         assert (r["write_best_workers"], r["write_best_io_depth"]) == \
             (best_w["workers"], best_w["io_depth"])
-        assert f"[direct_io={name}]" in proc.stdout and \
-            f"{r['read_over_raw']:.2f}  (target >= 0.90)" in proc.stdout
+        assert f"[direct_io={name}]" in stdout and \
+            f"{r['read_over_raw']:.2f}  (target >= 0.90)" in stdout
         m = mode["mixed"]  # every read beside the writes came back ok
         assert m["read_with_writes"]["statuses"] == {"ok": report["pages"] * m["passes"]}, m
         assert r["mixed_read_over_read_only"] == m["ratio"]
-    assert os.listdir(tmp_path) == ["bs.json"]  # the JSON stays; the scratch directory went
+    assert left == ["bs.json"]  # the JSON stays; the scratch directory went
 
 
 def test_bench_storage_help_names_every_flag():
@@ -63,16 +85,11 @@ def test_bench_storage_help_names_every_flag():
         assert flag in proc.stdout
 
 
-def test_bench_storage_mixed_only_reports_the_ratio_per_mode(tmp_path):
+def test_bench_storage_mixed_only_reports_the_ratio_per_mode(runs):
     """--mixed-only: reads alone and beside writes, in turn, the median ratio,
     and where the reads came from (buffered: the page cache; O_DIRECT: cold)."""
-    out = tmp_path / "mixed.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_storage.py"),
-                           *SMALL, "--mixed-only", "--mixed-repeats", "2", "--dir",
-                           str(tmp_path), "--json", str(out)],
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    _, stdout, report, left = runs["mixed"]
+    assert left == ["bs.json"]
     assert "off" in report["modes"]
     for name, mode in report["modes"].items():
         m = mode["mixed"]
@@ -82,4 +99,4 @@ def test_bench_storage_mixed_only_reports_the_ratio_per_mode(tmp_path):
         for run in m["runs"]["read_with_writes"]:
             assert run["statuses"] == {"ok": report["pages"] * m["passes"]}, run
             assert run["write_pages"] > 0
-    assert "read-only, reads from the page cache" in proc.stdout
+    assert "read-only, reads from the page cache" in stdout
