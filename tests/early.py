@@ -152,6 +152,14 @@ class Run:
         return left_behind(self.mark, grace_s)
 
     def stop(self) -> None:
+        """Kill what still runs (a harness whose test was deselected, or one
+        past its timeout), its whole session at once. What its engines had in
+        /dev/shm, and their node registry entries, are then a dead owner's:
+        removed here as the next engine's start would remove them (the
+        workers died with their scheduler, so no orphan cleans up after it).
+        A harness that ended by itself is left as it was: its test checks
+        what it left (`left_behind`)."""
+        killed = False
         for p in self.procs:
             if p.poll() is None:
                 try:
@@ -159,12 +167,25 @@ class Run:
                 except ProcessLookupError:
                     pass
                 p.wait()
+                killed = True
+        if killed:
+            _after_a_kill()
 
     def close(self) -> None:
         self.stop()
         for err in self.errs:
             err.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _after_a_kill() -> None:
+    """A killed harness's names and node registry entries, gone (see Run.stop)."""
+    from hicache_mp.engine.nodebudget import live_shares, node_dir
+    from shm.names import clean_stale
+    time.sleep(0.05)  # the group's last exits: a name is a dead owner's only once it has gone
+    clean_stale()
+    if os.path.isdir(node_dir()):
+        live_shares(node_dir(), prune=True)
 
 
 def background(proc: subprocess.Popen) -> subprocess.Popen:
