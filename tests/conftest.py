@@ -164,8 +164,9 @@ def pytest_sessionstart(session):
     core) and the tests leave idle: the fresh-interpreter import check
     (test_imports.py), the SGLang plugin's fresh interpreters
     (integrations/plugin_children.py), the two-process SGLang harnesses, the
-    storage bench's runs and the small-/dev/shm SGLang scenario (tests/early.py). Each is mostly SGLang's import
-    or CPU work of its own; their tests read them."""
+    storage bench's runs and the small-/dev/shm SGLang scenario
+    (tests/early.py). Each is mostly SGLang's import or CPU work of its own;
+    their tests read them."""
     if _collects(session.config, _IMPORT_CHECK):
         import test_imports
         test_imports.start_early()

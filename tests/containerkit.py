@@ -26,7 +26,8 @@ MID = dict(num_layers=4, num_kv_heads=4, head_dim=64, page_size=16)  # 64 KiB pa
 USER = 1000
 
 
-def _env() -> dict:
+def child_env() -> dict:
+    """The environment every child of this kit runs with (its imports on the path)."""
     return {**os.environ, "PYTHONPATH": PATH, "PYTHONDONTWRITEBYTECODE": "1"}
 
 
@@ -57,10 +58,6 @@ def private_shm_argv(size: str, scenario: str, args: dict) -> list:
     return ["unshare", "-m", "sh", "-c", cmd, sys.executable, __file__, scenario, json.dumps(args)]
 
 
-def child_env() -> dict:
-    return _env()
-
-
 def scenario_result(stdout: str, stderr: str, rc) -> dict:
     """A scenario's RESULT; a skip it asked for is the test's skip."""
     got = _result(stdout, stderr, rc)
@@ -73,7 +70,7 @@ def scenario_result(stdout: str, stderr: str, rc) -> dict:
 def in_private_shm(size: str, scenario: str, args: dict, timeout_s: float = 120) -> dict:
     """Run `scenario` in a mount namespace whose /dev/shm is a fresh tmpfs of `size`."""
     proc = subprocess.run(private_shm_argv(size, scenario, args), capture_output=True, text=True,
-                          env=_env(), timeout=timeout_s)
+                          env=child_env(), timeout=timeout_s)
     return scenario_result(proc.stdout, proc.stderr, proc.returncode)
 
 
@@ -82,7 +79,7 @@ def _child(prefix: list, role: str, args: dict) -> subprocess.Popen:
     """`prefix` ends with an interpreter, or this one runs the child."""
     python = [] if prefix and "python" in os.path.basename(prefix[-1]) else [sys.executable]
     return subprocess.Popen([*prefix, *python, __file__, role, json.dumps(args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
 
 
 def _run(prefix: list, role: str, args: dict, timeout_s: float = 60) -> dict:
@@ -206,7 +203,7 @@ def _user_python(python: str = sys.executable) -> str:
              "'import numpy, posix_ipc, psutil']).returncode)")
     probe = subprocess.run(["setpriv", "--reuid", str(USER), "--regid", str(USER),
                             "--clear-groups", python, "-c", again],
-                           capture_output=True, text=True, env=_env())
+                           capture_output=True, text=True, env=child_env())
     if probe.returncode != 0:
         raise CannotRun(f"uid {USER} cannot run {python} with its packages, even with the "
                         f"directories on its way opened up in a private mount namespace: "
@@ -221,7 +218,7 @@ def _interpreter_paths(python: str) -> list:
     code = ("import json, os, sys; print(json.dumps([sys.executable, os.path.realpath("
             "sys.executable), sys.prefix, sys.base_prefix, sys.exec_prefix, "
             "sys.base_exec_prefix, *[p for p in sys.path if os.path.isabs(p)]]))")
-    out = subprocess.run([python, "-c", code], capture_output=True, text=True, env=_env(),
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, env=child_env(),
                          check=True).stdout
     paths = json.loads(out)
     return sorted({p for p in paths + [os.path.realpath(p) for p in paths] if os.path.exists(p)})

@@ -16,6 +16,7 @@ its test asserts that no process with its mark (its name and this session's
 pid) is alive and that no entry of one is left (`left_behind`). The SGLang
 plugin's fresh interpreters (integrations/plugin_children.py) carry marks too.
 """
+import contextlib
 import os
 import shutil
 import signal
@@ -159,7 +160,7 @@ class Run:
         workers died with their scheduler, so no orphan cleans up after it).
         A harness that ended by itself is left as it was: its test checks
         what it left (`left_behind`)."""
-        killed = False
+        killed = []
         for p in self.procs:
             if p.poll() is None:
                 try:
@@ -167,9 +168,9 @@ class Run:
                 except ProcessLookupError:
                     pass
                 p.wait()
-                killed = True
+                killed.append(p.pid)
         if killed:
-            _after_a_kill()
+            _after_a_kill(killed)
 
     def close(self) -> None:
         self.stop()
@@ -178,14 +179,24 @@ class Run:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _after_a_kill() -> None:
-    """A killed harness's names and node registry entries, gone (see Run.stop)."""
-    from hicache_mp.engine.nodebudget import live_shares, node_dir
+def _after_a_kill(groups: list) -> None:
+    """A killed harness's names and node registry entries, gone (see Run.stop),
+    once every process of its killed `groups` has exited: a worker that still
+    holds its owner's lock keeps the names its owner's (shm.names)."""
+    from hicache_mp.engine.nodebudget import live_shares, node_dir, remove_if_empty
     from shm.names import clean_stale
-    time.sleep(0.05)  # the group's last exits: a name is a dead owner's only once it has gone
+    deadline = time.monotonic() + 5
+    for group in groups:
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(group, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.01)
     clean_stale()
     if os.path.isdir(node_dir()):
         live_shares(node_dir(), prune=True)
+        remove_if_empty(node_dir())
 
 
 def background(proc: subprocess.Popen) -> subprocess.Popen:
@@ -284,6 +295,20 @@ def take(name: str) -> Run:
     """What the session started, or a fresh start; the caller closes it."""
     start(name)
     return _started.pop(name)
+
+
+@contextlib.contextmanager
+def finished(name: str):
+    """What the session started as `name` (or a fresh start), once it has
+    ended and been checked to have left no process or /dev/shm entry behind:
+    yields (the run, its exit codes, its stderr tails); closed after."""
+    run = take(name)
+    try:
+        rcs, errs = run.wait()
+        assert not run.left_behind(), f"{name} left processes or shared memory behind"
+        yield run, rcs, errs
+    finally:
+        run.close()
 
 
 def stop_all() -> None:

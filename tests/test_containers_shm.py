@@ -49,14 +49,9 @@ def test_sglangs_attach_names_sglangs_settings():
     (tests/early.py, "sglang_small_shm"): it is mostly SGLang's import."""
     pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
     containerkit.require_namespaces()
-    run = early.take("sglang_small_shm")
-    try:
-        rcs, errs = run.wait()
-        assert not run.left_behind(), "the scenario left processes or shared memory behind"
+    with early.finished("sglang_small_shm") as (run, rcs, errs):
         with open(run.path("stdout.0")) as f:
             got = containerkit.scenario_result(f.read(), errs[0], rcs[0])
-    finally:
-        run.close()
     staged, zero_copy = got["cases"]
     _named(staged["error"], "host pool alone does not fit", '"allocator": "shm"',
            '"staging_pages"', "(50000 now)")

@@ -160,6 +160,25 @@ def live_shares(node_dir: str, *, prune: bool = True) -> dict[str, int]:
     return out
 
 
+def remove_if_empty(node_dir: str) -> None:
+    """The registry directory, removed once no engine is registered in it (a
+    closing engine's last step; never an error). Under the directory's lock,
+    so no engine is between its look and its registration; rmdir fails while
+    any other engine is registered."""
+    try:
+        dfd = os.open(node_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(dfd, fcntl.LOCK_EX)
+        if same_file(dfd, node_dir):
+            os.rmdir(node_dir)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+
+
 def budget_share(cores: int, engines: int, taken: int) -> int:
     """Workers for one more engine: an even share of (cores - scheduler_cores
     per engine), no more than what the others left free, at least one, at
@@ -318,20 +337,7 @@ class NodeBudget:
             return
         fd, self._fd = self._fd, -1
         unlink_and_release(fd, self.path)  # never an error from close
-        # Under the directory's lock, so no engine is between its look and its
-        # registration; rmdir fails while any other engine is registered.
-        try:
-            dfd = os.open(self.node_dir, os.O_RDONLY | os.O_DIRECTORY)
-        except OSError:
-            return
-        try:
-            fcntl.flock(dfd, fcntl.LOCK_EX)
-            if same_file(dfd, self.node_dir):
-                os.rmdir(self.node_dir)
-        except OSError:
-            pass
-        finally:
-            os.close(dfd)
+        remove_if_empty(self.node_dir)
 
 
 class _Refused(Exception):

@@ -581,13 +581,8 @@ def two_tp_ranks():
     exit codes, the ranks' stderr tails and where their result files are;
     none of their processes may outlive them."""
     import pathlib
-    run = early.take("fastpath_ranks")
-    try:
-        rcs, errs = run.wait()
-        assert not run.left_behind(), "the ranks left processes or shared memory behind"
+    with early.finished("fastpath_ranks") as (run, rcs, errs):
         yield rcs, errs, pathlib.Path(run.dir)
-    finally:
-        run.close()
 
 
 @pytest.mark.parametrize("variant", ["stock", "fast"])

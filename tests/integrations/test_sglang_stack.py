@@ -110,15 +110,10 @@ def test_ranks_in_separate_processes_split_the_node():
     # HICACHE_MP_NODE_CORES=8 and a node directory of its own, started with the
     # session where it could (tests/early.py, "sglang_ranks").
     import json
-    run = early.take("sglang_ranks")
-    try:
-        rcs, errs = run.wait()
+    with early.finished("sglang_ranks") as (run, rcs, errs):
         assert rcs == [0], errs
-        assert not run.left_behind(), "the harness left processes or shared memory behind"
         with open(run.path("ranks.json")) as f:
             res = json.load(f)
-    finally:
-        run.close()
     assert res["lone"]["workers"] == 7
     assert [r["workers"] for r in res["together"]] == [3, 3]
     assert res["check"]["within_cores"] and res["check"]["wrong_pages"] == 0

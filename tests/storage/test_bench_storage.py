@@ -23,26 +23,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module")
 def runs():
-    """Both runs, waited for once: {"quick"|"mixed": (the directory, its stdout)}."""
-    run = early.take("bench_storage")
-    try:
-        rcs, errs = run.wait()
+    """Both runs, waited for once: {"quick"|"mixed": (its stdout, its JSON
+    report, what its directory holds)}."""
+    with early.finished("bench_storage") as (run, rcs, errs):
         assert rcs == [0, 0], errs
-        assert not run.left_behind(), "the bench left processes or shared memory behind"
         out = {}
         for i, name in enumerate(("quick", "mixed")):
-            d = run.path(name)
-            with open(run.path(f"stdout.{i}")) as f:
-                out[name] = (d, f.read())
-            with open(os.path.join(d, "bs.json")) as f:
-                out[name] += (json.load(f), sorted(os.listdir(d)))
+            with open(run.path(f"stdout.{i}")) as f, \
+                    open(os.path.join(run.path(name), "bs.json")) as j:
+                out[name] = (f.read(), json.load(j), sorted(os.listdir(run.path(name))))
         yield out
-    finally:
-        run.close()
 
 
 def test_bench_storage_quick(runs):
-    _, stdout, report, left = runs["quick"]
+    stdout, report, left = runs["quick"]
     assert report["schema"] == "hicache_mp.bench_storage/1"
     assert "cache_drop" in report
     # "on" is skipped where the disk refuses O_DIRECT; "off" always runs.
@@ -88,7 +82,7 @@ def test_bench_storage_help_names_every_flag():
 def test_bench_storage_mixed_only_reports_the_ratio_per_mode(runs):
     """--mixed-only: reads alone and beside writes, in turn, the median ratio,
     and where the reads came from (buffered: the page cache; O_DIRECT: cold)."""
-    _, stdout, report, left = runs["mixed"]
+    stdout, report, left = runs["mixed"]
     assert left == ["bs.json"]
     assert "off" in report["modes"]
     for name, mode in report["modes"].items():
